@@ -1,0 +1,71 @@
+"""Logical dtypes (what JAX holds) and storage dtypes (what the Zarr array declares).
+
+Zarr v3's core data types are stored natively. Every other dtype JAX has is stored in a type
+both zarr-python and TensorStore open, with the logical dtype recorded beside it:
+- sub-byte integers (int2, int4, uint2, uint4) as int8/uint8 *values*;
+- every other extended float (bfloat16, the float8 and float4 types) as the unsigned integer of
+  the same width holding the *bits*, so no precision is lost and nothing is converted.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+_ZARR_CORE = frozenset(
+    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 "
+    "float16 float32 float64 complex64 complex128".split()
+)
+
+BITS, VALUES, NATIVE = "bits", "values", "native"
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    """np.dtype for a name such as 'float32' or 'bfloat16' (ml_dtypes names included)."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        pass
+    try:
+        return np.dtype(getattr(ml_dtypes, name))
+    except AttributeError:
+        raise TypeError(f"unknown dtype {name!r}") from None
+
+
+def storage_of(logical: np.dtype) -> tuple[np.dtype, str]:
+    """(storage dtype, encoding) for a logical dtype."""
+    logical = np.dtype(logical)
+    if logical.name in _ZARR_CORE:
+        return logical, NATIVE
+    try:
+        info = ml_dtypes.iinfo(logical)
+    except (ValueError, TypeError):
+        info = None
+    if info is not None:
+        return np.dtype(np.int8 if info.min < 0 else np.uint8), VALUES
+    if logical.itemsize not in (1, 2, 4, 8):
+        raise TypeError(f"cannot store dtype {logical.name}")
+    return np.dtype(f"uint{8 * logical.itemsize}"), BITS
+
+
+def to_storage(a: np.ndarray) -> np.ndarray:
+    """The array as its storage dtype, little-endian and C-contiguous (a view where possible)."""
+    storage, encoding = storage_of(a.dtype)
+    if encoding == BITS:
+        a = a.view(storage)
+    elif encoding == VALUES:
+        a = a.astype(storage)
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(a)
+
+
+def from_storage(a: np.ndarray, logical: np.dtype) -> np.ndarray:
+    """Inverse of to_storage."""
+    logical = np.dtype(logical)
+    _, encoding = storage_of(logical)
+    if encoding == BITS:
+        return a.view(logical)
+    if encoding == VALUES:
+        return a.astype(logical)
+    return a

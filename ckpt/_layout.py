@@ -1,0 +1,185 @@
+"""Boxes, chunk grids and shardings: the geometry the plans work in (pure, no I/O).
+
+A *box* is a region of an array as ((start, stop), ...) per dimension. A device's shard,
+a chunk of a saved array, and a region a restore needs are all boxes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+Box = tuple[tuple[int, int], ...]
+
+
+def index_to_box(index: Sequence[slice], shape: Sequence[int]) -> Box:
+    """Box for a tuple of slices (as in Sharding.devices_indices_map)."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    box = []
+    for s, n in zip(index, shape):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise ValueError(f"strided shard index {index}")
+        box.append((start, stop))
+    return tuple(box)
+
+
+def box_to_index(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(b - a for a, b in box)
+
+
+def box_size(box: Box) -> int:
+    return math.prod(box_shape(box))
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return tuple((0, n) for n in shape)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+    return None if any(lo >= hi for lo, hi in out) else out
+
+
+def relative(inner: Box, outer: Box) -> tuple[slice, ...]:
+    """Slices selecting `inner` inside an array holding `outer`."""
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
+
+
+def chunk_grid(shape: Sequence[int], chunk_shape: Sequence[int]) -> tuple[int, ...]:
+    """Number of chunks along each dimension."""
+    return tuple(-(-n // c) for n, c in zip(shape, chunk_shape))
+
+
+def chunk_box(index: Sequence[int], chunk_shape: Sequence[int], shape: Sequence[int]) -> Box:
+    return tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(index, chunk_shape, shape))
+
+
+def chunk_index_of(box: Box, chunk_shape: Sequence[int]) -> tuple[int, ...]:
+    """Index of the chunk that starts at `box`'s corner."""
+    return tuple(a // c for (a, _), c in zip(box, chunk_shape))
+
+
+def chunks_overlapping(box: Box, chunk_shape: Sequence[int]) -> list[tuple[int, ...]]:
+    """Indices of every chunk that overlaps `box`, in row-major order."""
+    ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(box, chunk_shape)]
+    return list(itertools.product(*ranges))
+
+
+def flat_chunk_index(index: Sequence[int], grid: Sequence[int]) -> int:
+    """Row-major position of a chunk in its grid (the order of recorded checksums)."""
+    flat = 0
+    for i, n in zip(index, grid):
+        flat = flat * n + i
+    return flat
+
+
+def chunk_key(index: Sequence[int]) -> str:
+    """Zarr v3 default chunk key ('c/0/1'; 'c' for a 0-d array)."""
+    return "/".join(["c", *map(str, index)])
+
+
+Spec = tuple  # normalised PartitionSpec: entries are None, an axis name, or a tuple of names
+
+
+def normalize_spec(spec: Iterable, ndim: int) -> Spec:
+    out = []
+    for entry in spec:
+        if entry is None or isinstance(entry, str):
+            out.append(entry)
+        else:
+            names = tuple(entry)
+            out.append(names[0] if len(names) == 1 else (names or None))
+    out += [None] * (ndim - len(out))
+    return tuple(out)
+
+
+def spec_axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+@dataclass(frozen=True)
+class ShardingInfo:
+    """How an array was sharded when saved, in terms that do not need the devices.
+
+    kind: 'named' (a mesh and PartitionSpec), 'single_device', or 'other'.
+    """
+
+    kind: str
+    axis_names: tuple[str, ...] | None = None
+    axis_sizes: tuple[int, ...] | None = None
+    spec: Spec | None = None
+
+    def to_record(self) -> dict:
+        rec: dict = {"kind": self.kind}
+        if self.kind == "named":
+            rec["mesh"] = {"axis_names": list(self.axis_names), "axis_sizes": list(self.axis_sizes)}
+            rec["spec"] = [e if e is None or isinstance(e, str) else list(e) for e in self.spec]
+        return rec
+
+    @classmethod
+    def from_record(cls, rec: dict | None) -> "ShardingInfo | None":
+        if rec is None:
+            return None
+        if rec["kind"] != "named":
+            return cls(rec["kind"])
+        spec = tuple(e if e is None or isinstance(e, str) else tuple(e) for e in rec["spec"])
+        mesh = rec["mesh"]
+        return cls("named", tuple(mesh["axis_names"]), tuple(mesh["axis_sizes"]), spec)
+
+
+def describe_sharding(sharding, ndim: int) -> ShardingInfo:
+    """ShardingInfo of a jax.sharding.Sharding."""
+    import jax
+
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        mesh = sharding.mesh
+        names = tuple(mesh.axis_names)
+        return ShardingInfo(
+            "named", names, tuple(int(mesh.shape[n]) for n in names), normalize_spec(sharding.spec, ndim)
+        )
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return ShardingInfo("single_device")
+    return ShardingInfo("other")
+
+
+def named_boxes(
+    shape: Sequence[int], axis_names: Sequence[str], axis_sizes: Sequence[int], spec: Spec
+) -> dict[tuple[int, ...], Box]:
+    """Box of every mesh position (row-major mesh coordinates) under NamedSharding(mesh, spec).
+
+    Pure: the same layout jax computes, for meshes that need not exist on this machine.
+    Raises ValueError naming the axis when a dimension is not divisible.
+    """
+    sizes = dict(zip(axis_names, axis_sizes))
+    per_dim = []
+    for dim, (n, entry) in enumerate(zip(shape, spec)):
+        axes = spec_axes(entry)
+        for a in axes:
+            if a not in sizes:
+                raise ValueError(f"mesh has no axis {a!r} (dimension {dim})")
+        parts = math.prod(sizes[a] for a in axes)
+        if n % parts:
+            raise ValueError(
+                f"dimension {dim} of size {n} is not divisible by mesh axes {list(axes)} of total size {parts}"
+            )
+        per_dim.append((axes, n // parts))
+    out = {}
+    for coord in itertools.product(*(range(s) for s in axis_sizes)):
+        pos = dict(zip(axis_names, coord))
+        box = []
+        for (axes, step), n in zip(per_dim, shape):
+            k = 0
+            for a in axes:
+                k = k * sizes[a] + pos[a]
+            box.append((k * step, (k + 1) * step) if axes else (0, n))
+        out[coord] = tuple(box)
+    return out

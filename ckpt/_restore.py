@@ -1,0 +1,285 @@
+"""restore: plan the regions this process's devices need, read each chunk once, verify it,
+and build every array with jax.make_array_from_callback from the regions already read.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from ckpt import _dtypes
+from ckpt._checksum import chunk_checksum
+from ckpt._commit import read_manifest
+from ckpt._errors import CheckpointError, ChecksumError
+from ckpt._fs import local_path
+from ckpt._layout import (
+    Box, ShardingInfo, chunk_grid, chunk_key, flat_chunk_index, full_box, index_to_box, intersect,
+    normalize_spec, relative, spec_axes,
+)
+from ckpt._manifest import ARRAY_KINDS, NUMPY_SCALAR, PRNG_KEY, LeafRecord
+from ckpt._plan import LeafReadPlan, batch_by_budget, plan_leaf_read
+from ckpt._storage import engine_for
+from ckpt._tree import display_path, leaf_components, match_target, unflatten
+
+# Host bytes of chunks read and regions assembled, not yet placed on devices (per process).
+HOST_BUDGET_BYTES = int(os.environ.get("CKPT_HOST_BUDGET_BYTES", 2 << 30))
+
+
+@dataclass
+class _Want:
+    """What to build for one saved array leaf."""
+
+    index: int
+    sharding: jax.sharding.Sharding | None  # None: a numpy array on the host
+    dtype: np.dtype  # logical dtype to return (of the key data for PRNG keys)
+
+
+@dataclass
+class RestoreStats:
+    bytes_read: int = 0
+    bytes_needed: int = 0
+    chunks_read: int = 0
+    per_leaf: dict = field(default_factory=dict)
+
+
+def py_value(rec: LeafRecord) -> Any:
+    """The Python value of a non-array leaf."""
+    v = rec.value
+    if rec.kind == "int":
+        return int(v)
+    if rec.kind == "complex":
+        return complex(v[0], v[1])
+    return v
+
+
+def _key_trailing(impl: str) -> int:
+    return len(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
+
+
+def logical_shape(rec: LeafRecord) -> tuple[int, ...]:
+    """Shape as the user sees it (for PRNG keys, without the key data's trailing dims)."""
+    if rec.kind == PRNG_KEY:
+        return rec.shape[: len(rec.shape) - _key_trailing(rec.prng_impl)]
+    return rec.shape
+
+
+def _key_data_sharding(sharding, rec: LeafRecord):
+    trailing = len(rec.shape) - len(logical_shape(rec))
+    if isinstance(sharding, NamedSharding):
+        spec = normalize_spec(sharding.spec, len(rec.shape) - trailing)
+        return NamedSharding(sharding.mesh, PartitionSpec(*spec, *([None] * trailing)))
+    if isinstance(sharding, SingleDeviceSharding):
+        return sharding
+    raise CheckpointError(f"leaf {display_path(rec.path)!r}: PRNG keys restore onto NamedSharding or a single device")
+
+
+def _want_from_target(i: int, rec: LeafRecord, t: Any) -> _Want | None:
+    if rec.kind not in ARRAY_KINDS:
+        return None
+    shape, name = logical_shape(rec), display_path(rec.path)
+    saved_dtype = _dtypes.dtype_from_name(rec.dtype)
+    if isinstance(t, jax.sharding.Sharding):
+        return _Want(i, t, saved_dtype)
+    if isinstance(t, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
+        if tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"leaf {name!r}: target shape {tuple(t.shape)} does not match saved shape {tuple(shape)}")
+        is_key = jax.dtypes.issubdtype(t.dtype, jax.dtypes.prng_key)
+        if is_key != (rec.kind == PRNG_KEY):
+            raise CheckpointError(f"leaf {name!r}: target dtype {t.dtype} but the checkpoint holds {rec.kind} {rec.dtype}")
+        dtype = saved_dtype if is_key else np.dtype(t.dtype)
+        if isinstance(t, np.ndarray):
+            return _Want(i, None, dtype)
+        sharding = t.sharding or SingleDeviceSharding(jax.local_devices()[0])
+        return _Want(i, sharding, dtype)
+    return _Want(i, None, saved_dtype)  # any other target leaf: as saved, on the host
+
+
+def _want_for_mesh(i: int, rec: LeafRecord, mesh: jax.sharding.Mesh) -> _Want | None:
+    if rec.kind not in ARRAY_KINDS:
+        return None
+    dtype = _dtypes.dtype_from_name(rec.dtype)
+    if rec.kind not in ("jax.Array", PRNG_KEY):
+        return _Want(i, None, dtype)
+    info, name = ShardingInfo.from_record(rec.sharding), display_path(rec.path)
+    shape = logical_shape(rec)
+    if info.kind == "single_device":
+        spec = (None,) * len(shape)
+    elif info.kind == "named":
+        spec = info.spec
+    else:
+        raise CheckpointError(f"leaf {name!r} was saved with a sharding that has no PartitionSpec; pass a target")
+    sizes = dict(mesh.shape)
+    for dim, entry in enumerate(spec):
+        axes = spec_axes(entry)
+        for a in axes:
+            if a not in sizes:
+                raise CheckpointError(
+                    f"leaf {name!r}: saved PartitionSpec uses mesh axis {a!r}, which the mesh "
+                    f"{tuple(mesh.axis_names)} does not have"
+                )
+        parts = math.prod(sizes[a] for a in axes)
+        if shape[dim] % parts:
+            raise CheckpointError(
+                f"leaf {name!r}: dimension {dim} of size {shape[dim]} cannot be split over mesh "
+                f"axis {'x'.join(axes)} of size {parts}"
+            )
+    return _Want(i, NamedSharding(mesh, PartitionSpec(*spec)), dtype)
+
+
+def _inline_array(rec: LeafRecord) -> np.ndarray:
+    logical = _dtypes.dtype_from_name(rec.dtype)
+    storage_dtype, _ = _dtypes.storage_of(logical)
+    a = np.frombuffer(rec.storage["data"], dtype=storage_dtype.newbyteorder("<")).reshape(rec.shape)
+    return _dtypes.from_storage(a.astype(storage_dtype), logical)
+
+
+class _Reader:
+    def __init__(self, root: str, leaves: list[LeafRecord], verify: bool, stats: RestoreStats):
+        self.root, self.leaves, self.verify, self.stats = root, leaves, verify, stats
+        self.engine = engine_for(root)
+
+    def plan(self, want: _Want) -> LeafReadPlan:
+        rec = self.leaves[want.index]
+        if want.sharding is None:
+            boxes = [full_box(rec.shape)]
+        else:
+            sharding = _key_data_sharding(want.sharding, rec) if rec.kind == PRNG_KEY else want.sharding
+            boxes = [index_to_box(idx, rec.shape) for idx in sharding.addressable_devices_indices_map(rec.shape).values()]
+        chunk_shape = rec.storage["chunk_shape"] if rec.storage["type"] == "zarr" else rec.shape
+        itemsize = _dtypes.dtype_from_name(rec.dtype).itemsize
+        return plan_leaf_read(want.index, rec.shape, chunk_shape, itemsize, boxes)
+
+    def run(self, wants: list[_Want]) -> dict[int, Any]:
+        plans = [self.plan(w) for w in wants]
+        out: dict[int, Any] = {}
+        for batch in batch_by_budget([p.bytes_read + p.bytes_needed for p in plans], HOST_BUDGET_BYTES):
+            out.update(self._run_batch([wants[i] for i in batch], [plans[i] for i in batch]))
+        return out
+
+    def _run_batch(self, wants: list[_Want], plans: list[LeafReadPlan]) -> dict[int, Any]:
+        opened, reads = {}, {}
+        for w in wants:
+            rec = self.leaves[w.index]
+            if rec.storage["type"] == "zarr":
+                opened[w.index] = self.engine.open_read(rec.storage["path"])
+        for w, p in zip(wants, plans):
+            if w.index in opened:
+                handle = self._result(opened[w.index], w.index, None)
+                reads[w.index] = {c.index: self.engine.read(handle, c.box) for c in p.chunks}
+        out = {}
+        for w, p in zip(wants, plans):
+            rec = self.leaves[w.index]
+            self.stats.bytes_needed += p.bytes_needed
+            self.stats.per_leaf[rec.path] = (p.bytes_read if w.index in reads else 0, p.bytes_needed)
+            if w.index in reads:
+                chunks = self._chunks(rec, p, reads.pop(w.index))
+                regions = {r.box: _assemble(r.box, r.chunks, chunks, p) for r in p.regions}
+                del chunks
+            else:
+                whole = _dtypes.to_storage(_inline_array(rec))
+                regions = {r.box: whole[relative(r.box, full_box(rec.shape))] for r in p.regions}
+            out[w.index] = self._place(rec, w, regions)
+        return out
+
+    def _result(self, fut, leaf: int, chunk):
+        rec = self.leaves[leaf]
+        try:
+            return fut.result()
+        except Exception as e:
+            where = "" if chunk is None else f", chunk {list(chunk)} ({os.path.join(self.root, rec.storage['path'], chunk_key(chunk))})"
+            raise CheckpointError(f"leaf {display_path(rec.path)!r}{where}: cannot read: {e}") from None
+
+    def _chunks(self, rec: LeafRecord, plan: LeafReadPlan, futures: dict) -> dict:
+        st = rec.storage
+        grid = chunk_grid(rec.shape, st["chunk_shape"])
+        chunks = {}
+        for c in plan.chunks:
+            a = self._result(futures[c.index], plan.leaf, c.index)
+            self.stats.bytes_read += c.nbytes
+            self.stats.chunks_read += 1
+            if self.verify:
+                want = st["chunk_checksums"][flat_chunk_index(c.index, grid)]
+                got = chunk_checksum(a)
+                if got != want:
+                    raise ChecksumError(
+                        display_path(rec.path), c.index, os.path.join(self.root, st["path"], chunk_key(c.index)),
+                        f"{st['checksum']} is {got:#010x}, expected {want:#010x}",
+                    )
+            chunks[c.index] = a
+        return chunks
+
+    def _place(self, rec: LeafRecord, want: _Want, regions: dict[Box, np.ndarray]) -> Any:
+        logical = _dtypes.dtype_from_name(rec.dtype)
+        for box, a in regions.items():
+            a = _dtypes.from_storage(a, logical)
+            regions[box] = a if a.dtype == want.dtype else a.astype(want.dtype)
+        if want.sharding is None:
+            value = regions[full_box(rec.shape)]
+            return value[()] if rec.kind == NUMPY_SCALAR else value
+        sharding = _key_data_sharding(want.sharding, rec) if rec.kind == PRNG_KEY else want.sharding
+        arr = jax.make_array_from_callback(
+            rec.shape, sharding, lambda idx: regions[index_to_box(idx, rec.shape)], dtype=want.dtype
+        )
+        if rec.kind == PRNG_KEY:
+            arr = jax.random.wrap_key_data(arr, impl=rec.prng_impl)
+        return arr
+
+
+def _assemble(box: Box, chunk_ids, chunks: dict, plan: LeafReadPlan) -> np.ndarray:
+    boxes = {c.index: c.box for c in plan.chunks}
+    if len(chunk_ids) == 1 and boxes[chunk_ids[0]] == box:
+        return chunks[chunk_ids[0]]
+    first = chunks[chunk_ids[0]]
+    out = np.empty(tuple(b - a for a, b in box), dtype=first.dtype)
+    for cid in chunk_ids:
+        inter = intersect(boxes[cid], box)
+        out[relative(inter, box)] = chunks[cid][relative(inter, boxes[cid])]
+    return out
+
+
+def restore_with_stats(path, target=None, *, mesh=None, partial=False, verify=True) -> tuple[Any, RestoreStats]:
+    root = local_path(path)
+    manifest = read_manifest(root)
+    if target is not None and mesh is not None:
+        raise ValueError("pass either target or mesh, not both")
+    leaves = manifest.leaves
+    paths = ["/".join(c) for c in leaf_components(manifest.tree)]
+    if target is None:
+        pairs = [(i, None) for i in range(len(leaves))]
+        wants = [_want_for_mesh(i, leaves[i], mesh) if mesh is not None else _want_from_target(i, leaves[i], None)
+                 for i in range(len(leaves))]
+    else:
+        treedef, pairs = match_target(target, paths, partial=partial)
+        wants = [_want_from_target(i, leaves[i], t) for i, t in pairs]
+    stats = RestoreStats()
+    built = _Reader(root, leaves, verify, stats).run([w for w in wants if w is not None])
+    values = [built[i] if i in built else py_value(leaves[i]) for i, _ in pairs]
+    if target is None:
+        return unflatten(manifest.tree, values), stats
+    return jtu.tree_unflatten(treedef, values), stats
+
+
+def restore(path, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
+            partial: bool = False, verify: bool = True) -> Any:
+    """Restore the checkpoint at `path`.
+
+    - `target`: a pytree like the saved one whose array leaves are jax.ShapeDtypeStruct (with a
+      sharding), jax.Array, or a bare jax.sharding.Sharding. Each array comes back as a
+      jax.Array with that sharding; a different dtype casts; a different shape raises. The
+      result has the target's structure and node types. With ``partial=True`` the target may
+      be any subset of the saved tree.
+    - `mesh`: every jax.Array comes back on this mesh with the PartitionSpec it was saved with.
+    - neither: arrays come back as numpy.ndarray; the tree is made of dicts, lists and tuples
+      (custom nodes become dicts keyed by field name).
+
+    Only the chunks that overlap regions this process's devices need are read, and each is
+    checked against its saved CRC-32C unless ``verify=False``.
+    """
+    return restore_with_stats(path, target, mesh=mesh, partial=partial, verify=verify)[0]

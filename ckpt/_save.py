@@ -1,0 +1,366 @@
+"""save / save_async: flatten, describe, plan, stage to host, then write and commit in the
+background. ``save`` is ``save_async(...).wait()``; there is one save path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import msgpack
+import numpy as np
+
+from ckpt import _dtypes
+from ckpt._checksum import ALGORITHM, chunk_checksum
+from ckpt._commit import Coordinator, commit_checkpoint, current_coordinator, prepare_temp_dir
+from ckpt._errors import CheckpointError
+from ckpt._fs import fsync_path, local_path, remove_tree, write_file_synced
+from ckpt._layout import chunk_grid, chunk_index_of, describe_sharding, flat_chunk_index, full_box, index_to_box
+from ckpt._manifest import (
+    INLINE_LIMIT, JAX_ARRAY, NUMPY, NUMPY_SCALAR, PRNG_KEY, PY_BOOL, PY_BYTES, PY_COMPLEX, PY_FLOAT,
+    PY_INT, PY_STR, LeafRecord, Manifest,
+)
+from ckpt._plan import HOST, ArrayShards, plan_save
+from ckpt._staging import start_copies, take
+from ckpt._storage import ArraySpec, engine_for
+from ckpt._tree import FlatLeaf, display_path, flatten, storage_paths
+
+# Bytes handed to the storage engine and not yet durable, per process.
+MAX_INFLIGHT_BYTES = int(os.environ.get("CKPT_MAX_INFLIGHT_BYTES", 1 << 30))
+
+_END = object()
+
+
+class SaveHandle:
+    """A save in progress. The host copies are already taken: the saved arrays may be donated."""
+
+    def __init__(self, path: str, work) -> None:
+        self.path = path
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(work,), name="ckpt-save")
+        self._thread.start()
+
+    def _run(self, work) -> None:
+        try:
+            work()
+        except BaseException as e:  # handed to wait(), with its traceback
+            self._error = e
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        """True once the save has committed or failed. Never blocks."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the checkpoint is committed; re-raise a background failure."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save to {self.path} still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+
+@dataclass
+class _Leaf:
+    record: LeafRecord
+    source: Any = None  # jax.Array / np.ndarray to write chunks from (None when inline)
+    chunk_shape: tuple[int, ...] | None = None
+    logical_dtype: np.dtype | None = None
+
+
+def _inline_record(rec: LeafRecord, host: np.ndarray) -> None:
+    rec.storage = {"type": "inline", "data": _dtypes.to_storage(host).tobytes()}
+
+
+def _describe(leaf: FlatLeaf, process_count: int) -> _Leaf:
+    v, path = leaf.value, leaf.path
+    rec = LeafRecord(path=path, kind="")
+    if isinstance(v, jax.core.Tracer):
+        raise CheckpointError(f"leaf {display_path(path)!r} is a tracer: save outside jit/vmap")
+    if isinstance(v, jax.Array):
+        if v.is_deleted():
+            raise CheckpointError(f"leaf {display_path(path)!r}: the array was deleted (donated?) before the save")
+        data = v
+        rec.kind = JAX_ARRAY
+        if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):
+            rec.kind, rec.prng_impl = PRNG_KEY, str(jax.random.key_impl(v))
+            data = jax.random.key_data(v)
+        rec.shape, rec.dtype = tuple(data.shape), np.dtype(data.dtype).name
+        rec.sharding = describe_sharding(v.sharding, v.ndim).to_record()
+        nbytes = data.size * data.dtype.itemsize
+        replicated_on_primary = data.sharding.is_fully_replicated and any(
+            d.process_index == 0 for d in data.sharding.device_set
+        )
+        if nbytes <= INLINE_LIMIT and (process_count == 1 or replicated_on_primary):
+            full = data.addressable_shards[0].data if process_count > 1 else data
+            _inline_record(rec, np.asarray(full))
+            return _Leaf(rec)
+        chunk = tuple(data.sharding.shard_shape(data.shape))
+        return _Leaf(rec, data, chunk, np.dtype(data.dtype))
+    if isinstance(v, (np.ndarray, np.generic)):
+        a = np.asarray(v)
+        rec.kind = NUMPY if isinstance(v, np.ndarray) else NUMPY_SCALAR
+        if a.dtype.kind in "OUSVMm":
+            raise CheckpointError(f"leaf {display_path(path)!r}: cannot save numpy dtype {a.dtype}")
+        rec.shape, rec.dtype = a.shape, a.dtype.name
+        if a.nbytes <= INLINE_LIMIT:
+            _inline_record(rec, a)
+            return _Leaf(rec)
+        return _Leaf(rec, a, a.shape, a.dtype)
+    if isinstance(v, bool):
+        rec.kind, rec.value = PY_BOOL, v
+    elif isinstance(v, int):
+        rec.kind, rec.value = PY_INT, v if -(2**63) <= v < 2**64 else str(v)
+    elif isinstance(v, float):
+        rec.kind, rec.value = PY_FLOAT, v
+    elif isinstance(v, complex):
+        rec.kind, rec.value = PY_COMPLEX, [v.real, v.imag]
+    elif isinstance(v, str):
+        rec.kind, rec.value = PY_STR, v
+    elif isinstance(v, bytes):
+        rec.kind, rec.value = PY_BYTES, v
+    else:
+        raise CheckpointError(
+            f"leaf {display_path(path)!r}: cannot save a value of type {type(v).__module__}.{type(v).__qualname__}"
+        )
+    return _Leaf(rec)
+
+
+def _finish_array_records(leaves: list[_Leaf], paths: list[str]) -> None:
+    for leaf, spath in zip(leaves, paths):
+        if leaf.source is None:
+            continue
+        storage_dtype, encoding = _dtypes.storage_of(leaf.logical_dtype)
+        leaf.record.storage = {
+            "type": "zarr",
+            "path": spath,
+            "chunk_shape": list(leaf.chunk_shape),
+            "data_type": storage_dtype.name,
+            "encoding": encoding,
+            "checksum": ALGORITHM,
+            "chunk_checksums": None,  # filled in at commit
+        }
+
+
+def _array_shards(leaves: list[_Leaf]) -> list[ArrayShards]:
+    out, cache = [], {}
+    for i, leaf in enumerate(leaves):
+        src = leaf.source
+        if src is None:
+            continue
+        if isinstance(src, np.ndarray):
+            holders = {full_box(src.shape): [(0, HOST)]}
+        else:
+            key = (src.sharding, src.shape)
+            if key not in cache:
+                holders = {}
+                for d, idx in src.sharding.devices_indices_map(src.shape).items():
+                    holders.setdefault(index_to_box(idx, src.shape), []).append((d.process_index, d.id))
+                cache[key] = holders
+            holders = cache[key]
+        out.append(ArrayShards(i, src.dtype.itemsize, holders))
+    return out
+
+
+def _fingerprint(final: str, overwrite: bool, tree: dict, leaves: list[_Leaf]) -> bytes:
+    view = [
+        [l.record.path, l.record.kind, list(l.record.shape or ()), l.record.dtype, l.record.sharding,
+         (l.record.storage or {}).get("type")]
+        for l in leaves
+    ]
+    return hashlib.sha256(msgpack.packb([final, overwrite, tree, view], use_bin_type=True)).digest()
+
+
+def _check_fingerprints(fingerprints: list[bytes]) -> None:
+    groups: dict[bytes, list[int]] = {}
+    for p, f in enumerate(fingerprints):
+        groups.setdefault(f, []).append(p)
+    if len(groups) > 1:
+        majority = max(groups.values(), key=len)
+        odd = sorted(p for g in groups.values() if g is not majority for p in g)
+        raise CheckpointError(
+            f"processes disagree on what to save: process(es) {odd} have a different tree, shapes, "
+            f"dtypes, shardings or path than process(es) {majority}; nothing was written"
+        )
+
+
+def _write_group_metadata(tmp: str, leaves: list[_Leaf]) -> None:
+    """zarr.json for the root and every intermediate group, so stock zarr can browse the tree."""
+    groups = {""}
+    for leaf in leaves:
+        st = leaf.record.storage
+        if st and st["type"] == "zarr":
+            parts = st["path"].split("/")
+            groups.update("/".join(parts[:k]) for k in range(1, len(parts)))
+    body = b'{"zarr_format": 3, "node_type": "group", "attributes": {}}'
+    for g in sorted(groups, key=len, reverse=True):
+        d = os.path.join(tmp, g)
+        os.makedirs(d, exist_ok=True)
+        write_file_synced(os.path.join(d, "zarr.json"), body)
+        fsync_path(d)
+
+
+def save_async(path, tree: Any, *, overwrite: bool = False) -> SaveHandle:
+    """Start saving `tree` to `path`; return once the data this process writes is in host
+    memory the library owns. The arrays may be donated or deleted from then on.
+
+    ``SaveHandle.wait()`` blocks until the checkpoint is committed. Raises FileExistsError when
+    `path` exists and `overwrite` is False, and CheckpointError for leaves it cannot save.
+    """
+    return start_save(path, tree, overwrite=overwrite)
+
+
+def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict | None = None) -> SaveHandle:
+    """save_async with the library-internal options (user_metadata: a small msgpack-able dict
+    stored in the manifest, used by CheckpointManager)."""
+    final = local_path(path)
+    coord = current_coordinator()
+    encoding, flat = flatten(tree)
+    leaves = [_describe(l, coord.process_count) for l in flat]
+    _finish_array_records(leaves, storage_paths([l.components for l in flat]))
+    plan = plan_save(_array_shards(leaves))
+    my_writes = plan.for_process(coord.process_index)
+    pending = start_copies({i: l.source for i, l in enumerate(leaves)}, my_writes)
+
+    save_id = coord.new_save_id()
+    _check_fingerprints(coord.all_gather(f"{save_id}/plan", _fingerprint(final, overwrite, encoding, leaves)))
+
+    def prepare() -> bytes:
+        try:
+            return msgpack.packb({"tmp": prepare_temp_dir(final, overwrite=overwrite)})
+        except OSError as e:
+            return msgpack.packb({"errno": e.errno, "error": f"{e.strerror}: {e.filename}"})
+
+    decision = msgpack.unpackb(coord.broadcast(f"{save_id}/prepare", prepare))
+    if "tmp" not in decision:
+        raise OSError(decision["errno"], decision["error"].split(": ")[0], final)
+    tmp = decision["tmp"]
+
+    chunks: queue.Queue = queue.Queue()
+    handle = SaveHandle(final, lambda: _write_and_commit(coord, save_id, final, tmp, overwrite,
+                                                         encoding, leaves, chunks, user_metadata))
+    try:
+        for item in take(pending):
+            chunks.put(item)
+    except BaseException as e:
+        chunks.put(e)
+        try:
+            handle.wait()  # the writer aborts and removes the temporary directory
+        except BaseException:
+            pass
+        raise
+    chunks.put(_END)
+    return handle
+
+
+def save(path, tree: Any, *, overwrite: bool = False) -> None:
+    """Save `tree` to `path` and return once the checkpoint is committed."""
+    save_async(path, tree, overwrite=overwrite).wait()
+
+
+def _write_chunks(tmp: str, leaves: list[_Leaf], chunks: queue.Queue, primary: bool) -> dict:
+    engine = engine_for(tmp)
+    specs = {}
+    for i, leaf in enumerate(leaves):
+        st = leaf.record.storage
+        if st and st["type"] == "zarr":
+            attrs = {"jax_ckpt": {"path": leaf.record.path, "dtype": leaf.record.dtype, "encoding": st["encoding"]}}
+            specs[i] = ArraySpec(tuple(leaf.record.shape), tuple(leaf.chunk_shape),
+                                 np.dtype(st["data_type"]), attrs)
+    created = []
+    if primary:
+        _write_group_metadata(tmp, leaves)
+        created = [engine.create(leaves[i].record.storage["path"], spec) for i, spec in specs.items()]
+    handles: dict[int, Any] = {}
+    sums: dict[int, dict[int, int]] = {}
+    inflight: deque = deque()
+    inflight_bytes = 0
+    while True:
+        item = chunks.get()
+        if item is _END:
+            break
+        if isinstance(item, BaseException):
+            raise CheckpointError("copying shards to host failed") from item
+        w, host = item
+        leaf = leaves[w.leaf]
+        data = _dtypes.to_storage(host)
+        index = chunk_index_of(w.box, leaf.chunk_shape)
+        flat = flat_chunk_index(index, chunk_grid(leaf.record.shape, leaf.chunk_shape))
+        sums.setdefault(w.leaf, {})[flat] = chunk_checksum(data)
+        if w.leaf not in handles:
+            handles[w.leaf] = engine.open_write(leaf.record.storage["path"], specs[w.leaf])
+        inflight.append((engine.write(handles[w.leaf], w.box, data), w.nbytes))
+        inflight_bytes += w.nbytes
+        while inflight_bytes > MAX_INFLIGHT_BYTES and len(inflight) > 1:
+            fut, n = inflight.popleft()
+            fut.result()
+            inflight_bytes -= n
+    for fut, _ in inflight:
+        fut.result()
+    for fut in created:
+        fut.result()
+    return sums
+
+
+def _write_and_commit(coord: Coordinator, save_id: str, final: str, tmp: str, overwrite: bool,
+                      encoding: dict, leaves: list[_Leaf], chunks: queue.Queue,
+                      user_metadata: dict | None) -> None:
+    primary = coord.process_index == 0
+    error: BaseException | None = None
+    sums: dict = {}
+    try:
+        sums = _write_chunks(tmp, leaves, chunks, primary)
+    except BaseException as e:
+        error = e
+    status = msgpack.packb(
+        {"error": None if error is None else f"{type(error).__name__}: {error}",
+         "sums": [[leaf, flat, crc] for leaf, m in sums.items() for flat, crc in m.items()]},
+        use_bin_type=True,
+    )
+    statuses = [msgpack.unpackb(s, strict_map_key=False) for s in coord.all_gather(f"{save_id}/written", status)]
+
+    def commit() -> bytes:
+        failed = {p: s["error"] for p, s in enumerate(statuses) if s["error"]}
+        if failed:
+            remove_tree(tmp)
+            return msgpack.packb({"error": "; ".join(f"process {p}: {e}" for p, e in failed.items())})
+        try:
+            _commit_manifest(tmp, final, overwrite, encoding, leaves, statuses, user_metadata)
+            return msgpack.packb({"error": None})
+        except BaseException as e:
+            remove_tree(tmp)
+            return msgpack.packb({"error": f"commit failed: {type(e).__name__}: {e}"})
+
+    outcome = msgpack.unpackb(coord.broadcast(f"{save_id}/commit", commit))
+    if error is not None:
+        raise error
+    if outcome["error"]:
+        raise CheckpointError(f"save to {final} failed, nothing committed: {outcome['error']}")
+
+
+def _commit_manifest(tmp, final, overwrite, encoding, leaves, statuses, user_metadata) -> None:
+    from ckpt import __version__
+
+    collected: dict[int, dict[int, int]] = {}
+    for s in statuses:
+        for leaf, flat, crc in s["sums"]:
+            collected.setdefault(leaf, {})[flat] = crc
+    for i, leaf in enumerate(leaves):
+        st = leaf.record.storage
+        if not st or st["type"] != "zarr":
+            continue
+        n = int(np.prod(chunk_grid(leaf.record.shape, leaf.chunk_shape)))
+        got = collected.get(i, {})
+        if len(got) != n:
+            raise CheckpointError(f"leaf {leaf.record.path!r}: {len(got)} of {n} chunks were written")
+        st["chunk_checksums"] = [got[k] for k in range(n)]
+    manifest = Manifest(encoding, [l.record for l in leaves], user_metadata=user_metadata,
+                        library_version=__version__)
+    commit_checkpoint(tmp, final, manifest, overwrite=overwrite)

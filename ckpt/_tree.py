@@ -1,0 +1,222 @@
+"""Pytree flattening with key paths, the manifest's encoding of tree structure, and matching a
+restore target against the saved tree.
+
+A leaf's *path* is its key path written with '/' (``params/layers/0/wq``): dict keys and
+attribute names as text, sequence positions as numbers. Its *storage path* is the same with
+each component escaped so that it is a safe, portable directory name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax.tree_util as jtu
+
+from ckpt._errors import CheckpointError, TreeMismatchError
+
+# Node kinds in the manifest's tree encoding (formats/SPEC.md, "tree").
+DICT, LIST, TUPLE, NONE, CUSTOM, LEAF = "dict", "list", "tuple", "none", "custom", "leaf"
+
+
+@dataclass(frozen=True)
+class FlatLeaf:
+    """One leaf of a flattened tree: its key path components and value."""
+
+    components: tuple[str, ...]
+    value: Any
+
+    @property
+    def path(self) -> str:
+        return join_path(self.components)
+
+
+def join_path(components: Sequence[str]) -> str:
+    return "/".join(components)
+
+
+def display_path(path: str) -> str:
+    return path if path else "<root>"
+
+
+def _entry_text(entry: Any) -> str:
+    if isinstance(entry, jtu.DictKey):
+        return str(entry.key)
+    if isinstance(entry, jtu.GetAttrKey):
+        return entry.name
+    if isinstance(entry, jtu.SequenceKey):
+        return str(entry.idx)
+    if isinstance(entry, jtu.FlattenedIndexKey):
+        return str(entry.key)
+    return str(entry)
+
+
+def _entry_record(entry: Any) -> list:
+    if isinstance(entry, jtu.DictKey):
+        return ["key", _plain_key(entry.key)]
+    if isinstance(entry, jtu.GetAttrKey):
+        return ["attr", entry.name]
+    if isinstance(entry, jtu.SequenceKey):
+        return ["index", entry.idx]
+    if isinstance(entry, jtu.FlattenedIndexKey):
+        return ["index", entry.key]
+    return ["key", str(entry)]
+
+
+def _plain_key(key: Any) -> Any:
+    # Keys msgpack keeps as themselves; anything else (tuples, enums) is stored as text.
+    return key if isinstance(key, (str, int)) and not isinstance(key, bool) else str(key)
+
+
+def _children(node: Any) -> list[tuple[Any, Any]] | None:
+    """The (key entry, child) pairs one level down, or None when `node` is a leaf."""
+    pairs, treedef = jtu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    if jtu.treedef_is_leaf(treedef):
+        return None
+    return [(path[0], child) for path, child in pairs]
+
+
+def flatten(tree: Any) -> tuple[dict, list[FlatLeaf]]:
+    """Flatten `tree` into (tree encoding for the manifest, leaves in key-path order)."""
+    leaves: list[FlatLeaf] = []
+
+    def encode(node: Any, components: tuple[str, ...]) -> dict:
+        if node is None:
+            return {"kind": NONE}
+        children = _children(node)
+        if children is None:
+            leaves.append(FlatLeaf(components, node))
+            return {"kind": LEAF, "index": len(leaves) - 1}
+        encoded = [encode(child, components + (_entry_text(e),)) for e, child in children]
+        t = type(node)
+        if t is dict:
+            return {"kind": DICT, "keys": [_plain_key(e.key) for e, _ in children], "children": encoded}
+        if t is list:
+            return {"kind": LIST, "children": encoded}
+        if t is tuple:
+            return {"kind": TUPLE, "children": encoded}
+        return {
+            "kind": CUSTOM,
+            "type": f"{t.__module__}.{t.__qualname__}",
+            "keys": [_entry_record(e) for e, _ in children],
+            "children": encoded,
+        }
+
+    encoding = encode(tree, ())
+    seen: dict[str, int] = {}
+    for leaf in leaves:
+        if leaf.path in seen:
+            raise CheckpointError(f"two leaves share the key path {display_path(leaf.path)!r}")
+        seen[leaf.path] = 1
+    return encoding, leaves
+
+
+def unflatten(encoding: dict, values: Sequence[Any]) -> Any:
+    """Rebuild a tree from its manifest encoding using plain containers.
+
+    dict/list/tuple/None come back as themselves. Custom nodes (NamedTuples, dataclasses,
+    registered classes) come back as a dict keyed by field name, or as a tuple when their
+    children are only numbered.
+    """
+
+    def build(node: dict) -> Any:
+        kind = node["kind"]
+        if kind == LEAF:
+            return values[node["index"]]
+        if kind == NONE:
+            return None
+        children = [build(c) for c in node.get("children", [])]
+        if kind == DICT:
+            return dict(zip(node["keys"], children))
+        if kind == LIST:
+            return children
+        if kind == TUPLE:
+            return tuple(children)
+        if kind == CUSTOM:
+            keys = node["keys"]
+            if keys and all(k[0] != "index" for k in keys):
+                return {k[1]: c for k, c in zip(keys, children)}
+            return tuple(children)
+        raise CheckpointError(f"manifest has an unknown tree node kind {kind!r}")
+
+    return build(encoding)
+
+
+def leaf_components(encoding: dict) -> list[tuple[str, ...]]:
+    """Key path components of every leaf of a tree encoding, by leaf index."""
+    out: dict[int, tuple[str, ...]] = {}
+
+    def walk(node: dict, comps: tuple[str, ...]) -> None:
+        kind = node["kind"]
+        if kind == LEAF:
+            out[node["index"]] = comps
+            return
+        children = node.get("children", [])
+        if kind == DICT:
+            names = [str(k) for k in node["keys"]]
+        elif kind == CUSTOM:
+            names = [str(k[1]) for k in node["keys"]]
+        else:
+            names = [str(i) for i in range(len(children))]
+        for name, child in zip(names, children):
+            walk(child, comps + (name,))
+
+    walk(encoding, ())
+    return [out[i] for i in range(len(out))]
+
+
+def match_target(
+    target: Any, saved_paths: Sequence[str], *, partial: bool
+) -> tuple[Any, list[tuple[int, Any]]]:
+    """Pair each leaf of `target` with the saved leaf at the same key path.
+
+    Returns (target treedef, [(saved leaf index, target leaf)] in target leaf order). Raises
+    TreeMismatchError listing every missing and unexpected key path.
+    """
+    pairs, treedef = jtu.tree_flatten_with_path(target)
+    index = {p: i for i, p in enumerate(saved_paths)}
+    target_paths = [join_path([_entry_text(e) for e in path]) for path, _ in pairs]
+    unexpected = [display_path(p) for p in target_paths if p not in index]
+    missing = [] if partial else [display_path(p) for p in saved_paths if p not in set(target_paths)]
+    if unexpected or missing:
+        raise TreeMismatchError(missing, unexpected)
+    return treedef, [(index[p], leaf) for p, (_, leaf) in zip(target_paths, pairs)]
+
+
+_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-.")
+_RESERVED = frozenset({"zarr.json", "manifest.msgpack"})
+
+
+def escape_component(text: str) -> str:
+    """A directory name for one path component: [A-Za-z0-9_.-] kept, the rest %-encoded."""
+    if text == "":
+        return "%"
+    out = []
+    for i, ch in enumerate(text):
+        if ch in _SAFE and not (i == 0 and ch == "."):
+            out.append(ch)
+        else:
+            out.extend(f"%{b:02X}" for b in ch.encode("utf-8"))
+    name = "".join(out)
+    if name in _RESERVED:
+        name = f"%{ord(name[0]):02X}{name[1:]}"
+    return name
+
+
+def storage_paths(components: Sequence[tuple[str, ...]]) -> list[str]:
+    """Unique storage paths for leaves, also on case-insensitive file systems.
+
+    A path that would clash with another leaf, or sit inside another leaf's directory, moves to
+    a top-level ``~N`` directory ('~' never appears in an escaped name).
+    """
+    out, leaves, groups = [], set(), set()
+    for i, comps in enumerate(components):
+        path = "/".join(escape_component(c) for c in comps) or "_root"
+        low = path.lower().split("/")
+        prefixes = {"/".join(low[:k]) for k in range(1, len(low))}
+        if "/".join(low) in leaves | groups or prefixes & leaves:
+            path, low, prefixes = f"~{i}", [f"~{i}"], set()
+        leaves.add("/".join(low))
+        groups |= prefixes
+        out.append(path)
+    return out
