@@ -88,7 +88,8 @@ def chunk_key(index: Sequence[int]) -> str:
 Spec = tuple  # normalised PartitionSpec: entries are None, an axis name, or a tuple of names
 
 
-def normalize_spec(spec: Iterable, ndim: int) -> Spec:
+def normalize_spec(spec: Iterable, ndim: int | None = None) -> Spec:
+    """Spec entries as None / name / tuple of names; padded with None to `ndim` if given."""
     out = []
     for entry in spec:
         if entry is None or isinstance(entry, str):
@@ -96,7 +97,8 @@ def normalize_spec(spec: Iterable, ndim: int) -> Spec:
         else:
             names = tuple(entry)
             out.append(names[0] if len(names) == 1 else (names or None))
-    out += [None] * (ndim - len(out))
+    if ndim is not None:
+        out += [None] * (ndim - len(out))
     return tuple(out)
 
 
@@ -136,7 +138,7 @@ class ShardingInfo:
         return cls("named", tuple(mesh["axis_names"]), tuple(mesh["axis_sizes"]), spec)
 
 
-def describe_sharding(sharding, ndim: int) -> ShardingInfo:
+def describe_sharding(sharding) -> ShardingInfo:
     """ShardingInfo of a jax.sharding.Sharding."""
     import jax
 
@@ -144,7 +146,7 @@ def describe_sharding(sharding, ndim: int) -> ShardingInfo:
         mesh = sharding.mesh
         names = tuple(mesh.axis_names)
         return ShardingInfo(
-            "named", names, tuple(int(mesh.shape[n]) for n in names), normalize_spec(sharding.spec, ndim)
+            "named", names, tuple(int(mesh.shape[n]) for n in names), normalize_spec(sharding.spec)
         )
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
         return ShardingInfo("single_device")
@@ -160,6 +162,7 @@ def named_boxes(
     Raises ValueError naming the axis when a dimension is not divisible.
     """
     sizes = dict(zip(axis_names, axis_sizes))
+    spec = normalize_spec(spec, len(shape))
     per_dim = []
     for dim, (n, entry) in enumerate(zip(shape, spec)):
         axes = spec_axes(entry)

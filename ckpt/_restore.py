@@ -110,7 +110,7 @@ def _want_for_mesh(i: int, rec: LeafRecord, mesh: jax.sharding.Mesh) -> _Want | 
     info, name = ShardingInfo.from_record(rec.sharding), display_path(rec.path)
     shape = logical_shape(rec)
     if info.kind == "single_device":
-        spec = (None,) * len(shape)
+        spec = ()
     elif info.kind == "named":
         spec = info.spec
     else:
@@ -133,6 +133,12 @@ def _want_for_mesh(i: int, rec: LeafRecord, mesh: jax.sharding.Mesh) -> _Want | 
     return _Want(i, NamedSharding(mesh, PartitionSpec(*spec)), dtype)
 
 
+def _chunk_shape(rec: LeafRecord) -> tuple[int, ...]:
+    if rec.storage["type"] == "zarr":
+        return tuple(rec.storage["chunk_shape"])
+    return tuple(max(1, n) for n in rec.shape)  # inline: one chunk, the whole array
+
+
 def _inline_array(rec: LeafRecord) -> np.ndarray:
     logical = _dtypes.dtype_from_name(rec.dtype)
     storage_dtype, _ = _dtypes.storage_of(logical)
@@ -152,40 +158,42 @@ class _Reader:
         else:
             sharding = _key_data_sharding(want.sharding, rec) if rec.kind == PRNG_KEY else want.sharding
             boxes = [index_to_box(idx, rec.shape) for idx in sharding.addressable_devices_indices_map(rec.shape).values()]
-        chunk_shape = rec.storage["chunk_shape"] if rec.storage["type"] == "zarr" else rec.shape
-        itemsize = _dtypes.dtype_from_name(rec.dtype).itemsize
-        return plan_leaf_read(want.index, rec.shape, chunk_shape, itemsize, boxes)
+        return plan_leaf_read(want.index, rec.shape, _chunk_shape(rec), _dtypes.dtype_from_name(rec.dtype).itemsize, boxes)
 
     def run(self, wants: list[_Want]) -> dict[int, Any]:
         plans = [self.plan(w) for w in wants]
         out: dict[int, Any] = {}
         for batch in batch_by_budget([p.bytes_read + p.bytes_needed for p in plans], HOST_BUDGET_BYTES):
-            out.update(self._run_batch([wants[i] for i in batch], [plans[i] for i in batch]))
+            regions = self.read([plans[i] for i in batch])
+            for i in batch:
+                rec = self.leaves[wants[i].index]
+                out[wants[i].index] = self._place(rec, wants[i], regions.pop(wants[i].index))
         return out
 
-    def _run_batch(self, wants: list[_Want], plans: list[LeafReadPlan]) -> dict[int, Any]:
-        opened, reads = {}, {}
-        for w in wants:
-            rec = self.leaves[w.index]
-            if rec.storage["type"] == "zarr":
-                opened[w.index] = self.engine.open_read(rec.storage["path"])
-        for w, p in zip(wants, plans):
-            if w.index in opened:
-                handle = self._result(opened[w.index], w.index, None)
-                reads[w.index] = {c.index: self.engine.read(handle, c.box) for c in p.chunks}
+    def read(self, plans: list[LeafReadPlan]) -> dict[int, dict[Box, np.ndarray]]:
+        """The regions of each plan (storage dtype), every chunk read once and verified.
+
+        All chunk reads of the batch are issued before any is awaited, so they run concurrently.
+        """
+        opened = {p.leaf: self.engine.open_read(self.leaves[p.leaf].storage["path"])
+                  for p in plans if self.leaves[p.leaf].storage["type"] == "zarr"}
+        reads = {}
+        for p in plans:
+            if p.leaf in opened:
+                handle = self._result(opened[p.leaf], p.leaf, None)
+                reads[p.leaf] = {c.index: self.engine.read(handle, c.box) for c in p.chunks}
         out = {}
-        for w, p in zip(wants, plans):
-            rec = self.leaves[w.index]
+        for p in plans:
+            rec = self.leaves[p.leaf]
             self.stats.bytes_needed += p.bytes_needed
-            self.stats.per_leaf[rec.path] = (p.bytes_read if w.index in reads else 0, p.bytes_needed)
-            if w.index in reads:
-                chunks = self._chunks(rec, p, reads.pop(w.index))
-                regions = {r.box: _assemble(r.box, r.chunks, chunks, p) for r in p.regions}
-                del chunks
+            self.stats.per_leaf[rec.path] = (p.bytes_read if p.leaf in reads else 0, p.bytes_needed)
+            if p.leaf in reads:
+                chunks = self._chunks(rec, p, reads.pop(p.leaf))
+                out[p.leaf] = {r.box: _assemble(r.box, r.chunks, chunks, p) for r in p.regions}
             else:
                 whole = _dtypes.to_storage(_inline_array(rec))
-                regions = {r.box: whole[relative(r.box, full_box(rec.shape))] for r in p.regions}
-            out[w.index] = self._place(rec, w, regions)
+                # `...` keeps a 0-d region a 0-d array (plain `whole[()]` would be a numpy scalar).
+                out[p.leaf] = {r.box: whole[relative(r.box, full_box(rec.shape)) + (...,)] for r in p.regions}
         return out
 
     def _result(self, fut, leaf: int, chunk):
@@ -242,6 +250,27 @@ def _assemble(box: Box, chunk_ids, chunks: dict, plan: LeafReadPlan) -> np.ndarr
         inter = intersect(boxes[cid], box)
         out[relative(inter, box)] = chunks[cid][relative(inter, boxes[cid])]
     return out
+
+
+def read_regions(path, leaf_path: str, boxes: list[Box], *, verify: bool = True
+                 ) -> tuple[dict[Box, np.ndarray], RestoreStats]:
+    """The given regions of one saved array as numpy (logical dtype), reading only the chunks
+    that overlap them: the reader restore uses, for one leaf."""
+    root = local_path(path)
+    manifest = read_manifest(root)
+    paths = ["/".join(c) for c in leaf_components(manifest.tree)]
+    if leaf_path not in paths:
+        raise CheckpointError(f"{root} has no leaf {leaf_path!r}")
+    i = paths.index(leaf_path)
+    rec = manifest.leaves[i]
+    if rec.kind not in ARRAY_KINDS:
+        raise CheckpointError(f"leaf {leaf_path!r} is not an array")
+    stats = RestoreStats()
+    reader = _Reader(root, manifest.leaves, verify, stats)
+    plan = plan_leaf_read(i, rec.shape, _chunk_shape(rec), _dtypes.dtype_from_name(rec.dtype).itemsize, boxes)
+    logical = _dtypes.dtype_from_name(rec.dtype)
+    regions = reader.read([plan])[i]
+    return {b: _dtypes.from_storage(a, logical) for b, a in regions.items()}, stats
 
 
 def restore_with_stats(path, target=None, *, mesh=None, partial=False, verify=True) -> tuple[Any, RestoreStats]:

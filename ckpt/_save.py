@@ -93,7 +93,7 @@ def _describe(leaf: FlatLeaf, process_count: int) -> _Leaf:
             rec.kind, rec.prng_impl = PRNG_KEY, str(jax.random.key_impl(v))
             data = jax.random.key_data(v)
         rec.shape, rec.dtype = tuple(data.shape), np.dtype(data.dtype).name
-        rec.sharding = describe_sharding(v.sharding, v.ndim).to_record()
+        rec.sharding = describe_sharding(v.sharding).to_record()
         nbytes = data.size * data.dtype.itemsize
         replicated_on_primary = data.sharding.is_fully_replicated and any(
             d.process_index == 0 for d in data.sharding.device_set
@@ -107,8 +107,12 @@ def _describe(leaf: FlatLeaf, process_count: int) -> _Leaf:
     if isinstance(v, (np.ndarray, np.generic)):
         a = np.asarray(v)
         rec.kind = NUMPY if isinstance(v, np.ndarray) else NUMPY_SCALAR
-        if a.dtype.kind in "OUSVMm":
+        if a.dtype.kind in "OUSMm" or a.dtype.names is not None or a.dtype.subdtype is not None:
             raise CheckpointError(f"leaf {display_path(path)!r}: cannot save numpy dtype {a.dtype}")
+        try:
+            _dtypes.storage_of(a.dtype)
+        except TypeError:
+            raise CheckpointError(f"leaf {display_path(path)!r}: cannot save numpy dtype {a.dtype}") from None
         rec.shape, rec.dtype = a.shape, a.dtype.name
         if a.nbytes <= INLINE_LIMIT:
             _inline_record(rec, a)
@@ -178,10 +182,17 @@ def _fingerprint(final: str, overwrite: bool, tree: dict, leaves: list[_Leaf]) -
     return hashlib.sha256(msgpack.packb([final, overwrite, tree, view], use_bin_type=True)).digest()
 
 
-def _check_fingerprints(fingerprints: list[bytes]) -> None:
+def _check_fingerprints(views: list[dict]) -> None:
+    """Raise unless every process planned the same save (`views` by process: plan or error)."""
+    failed = [(p, v["error"]) for p, v in enumerate(views) if "error" in v]
+    if failed:
+        raise CheckpointError(
+            f"process(es) {[p for p, _ in failed]} could not plan the save, nothing was written: "
+            + "; ".join(f"process {p}: {e}" for p, e in failed)
+        )
     groups: dict[bytes, list[int]] = {}
-    for p, f in enumerate(fingerprints):
-        groups.setdefault(f, []).append(p)
+    for p, v in enumerate(views):
+        groups.setdefault(v["plan"], []).append(p)
     if len(groups) > 1:
         majority = max(groups.values(), key=len)
         odd = sorted(p for g in groups.values() if g is not majority for p in g)
@@ -222,26 +233,37 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
     stored in the manifest, used by CheckpointManager)."""
     final = local_path(path)
     coord = current_coordinator()
-    encoding, flat = flatten(tree)
-    leaves = [_describe(l, coord.process_count) for l in flat]
-    _finish_array_records(leaves, storage_paths([l.components for l in flat]))
-    plan = plan_save(_array_shards(leaves))
-    my_writes = plan.for_process(coord.process_index)
-    pending = start_copies({i: l.source for i, l in enumerate(leaves)}, my_writes)
-
+    # First, before anything can fail, so that every process's count of saves stays the same.
     save_id = coord.new_save_id()
-    _check_fingerprints(coord.all_gather(f"{save_id}/plan", _fingerprint(final, overwrite, encoding, leaves)))
-
-    def prepare() -> bytes:
+    try:
         try:
-            return msgpack.packb({"tmp": prepare_temp_dir(final, overwrite=overwrite)})
-        except OSError as e:
-            return msgpack.packb({"errno": e.errno, "error": f"{e.strerror}: {e.filename}"})
+            encoding, flat = flatten(tree)
+            leaves = [_describe(l, coord.process_count) for l in flat]
+            _finish_array_records(leaves, storage_paths([l.components for l in flat]))
+            plan = plan_save(_array_shards(leaves))
+            my_writes = plan.for_process(coord.process_index)
+            pending = start_copies({i: l.source for i, l in enumerate(leaves)}, my_writes)
+            view, own_error = {"plan": _fingerprint(final, overwrite, encoding, leaves)}, None
+        except Exception as e:  # the others learn of it now instead of waiting for this process
+            view, own_error = {"error": f"{type(e).__name__}: {e}"}, e
+        views = [msgpack.unpackb(v) for v in coord.all_gather(f"{save_id}/plan", msgpack.packb(view))]
+        if own_error is not None:
+            raise own_error
+        _check_fingerprints(views)
 
-    decision = msgpack.unpackb(coord.broadcast(f"{save_id}/prepare", prepare))
-    if "tmp" not in decision:
-        raise OSError(decision["errno"], decision["error"].split(": ")[0], final)
-    tmp = decision["tmp"]
+        def prepare() -> bytes:
+            try:
+                return msgpack.packb({"tmp": prepare_temp_dir(final, overwrite=overwrite)})
+            except OSError as e:
+                return msgpack.packb({"errno": e.errno, "error": f"{e.strerror}: {e.filename}"})
+
+        decision = msgpack.unpackb(coord.broadcast(f"{save_id}/prepare", prepare))
+        if "tmp" not in decision:
+            raise OSError(decision["errno"], decision["error"].split(": ")[0], final)
+        tmp = decision["tmp"]
+    except BaseException:
+        coord.end_save(save_id)
+        raise
 
     chunks: queue.Queue = queue.Queue()
     handle = SaveHandle(final, lambda: _write_and_commit(coord, save_id, final, tmp, overwrite,
@@ -282,36 +304,55 @@ def _write_chunks(tmp: str, leaves: list[_Leaf], chunks: queue.Queue, primary: b
     sums: dict[int, dict[int, int]] = {}
     inflight: deque = deque()
     inflight_bytes = 0
-    while True:
-        item = chunks.get()
-        if item is _END:
-            break
-        if isinstance(item, BaseException):
-            raise CheckpointError("copying shards to host failed") from item
-        w, host = item
-        leaf = leaves[w.leaf]
-        data = _dtypes.to_storage(host)
-        index = chunk_index_of(w.box, leaf.chunk_shape)
-        flat = flat_chunk_index(index, chunk_grid(leaf.record.shape, leaf.chunk_shape))
-        sums.setdefault(w.leaf, {})[flat] = chunk_checksum(data)
-        if w.leaf not in handles:
-            handles[w.leaf] = engine.open_write(leaf.record.storage["path"], specs[w.leaf])
-        inflight.append((engine.write(handles[w.leaf], w.box, data), w.nbytes))
-        inflight_bytes += w.nbytes
-        while inflight_bytes > MAX_INFLIGHT_BYTES and len(inflight) > 1:
-            fut, n = inflight.popleft()
+    try:
+        while True:
+            item = chunks.get()
+            if item is _END:
+                break
+            if isinstance(item, BaseException):
+                raise CheckpointError("copying shards to host failed") from item
+            w, host = item
+            leaf = leaves[w.leaf]
+            data = _dtypes.to_storage(host)
+            index = chunk_index_of(w.box, leaf.chunk_shape)
+            flat = flat_chunk_index(index, chunk_grid(leaf.record.shape, leaf.chunk_shape))
+            sums.setdefault(w.leaf, {})[flat] = chunk_checksum(data)
+            if w.leaf not in handles:
+                handles[w.leaf] = engine.open_write(leaf.record.storage["path"], specs[w.leaf])
+            inflight.append((engine.write(handles[w.leaf], w.box, data), w.nbytes))
+            inflight_bytes += w.nbytes
+            while inflight_bytes > MAX_INFLIGHT_BYTES and len(inflight) > 1:
+                fut, n = inflight.popleft()
+                fut.result()
+                inflight_bytes -= n
+        for fut, _ in inflight:
             fut.result()
-            inflight_bytes -= n
-    for fut, _ in inflight:
-        fut.result()
-    for fut in created:
-        fut.result()
+        for fut in created:
+            fut.result()
+    except BaseException:
+        # Let every started write finish (or fail) before the caller removes the temporary
+        # directory; a write still running would create files in it again.
+        for fut in [f for f, _ in inflight] + created:
+            try:
+                fut.result()
+            except Exception:
+                pass
+        raise
     return sums
 
 
 def _write_and_commit(coord: Coordinator, save_id: str, final: str, tmp: str, overwrite: bool,
                       encoding: dict, leaves: list[_Leaf], chunks: queue.Queue,
                       user_metadata: dict | None) -> None:
+    try:
+        _exchange_and_commit(coord, save_id, final, tmp, overwrite, encoding, leaves, chunks, user_metadata)
+    finally:
+        coord.end_save(save_id)
+
+
+def _exchange_and_commit(coord: Coordinator, save_id: str, final: str, tmp: str, overwrite: bool,
+                         encoding: dict, leaves: list[_Leaf], chunks: queue.Queue,
+                         user_metadata: dict | None) -> None:
     primary = coord.process_index == 0
     error: BaseException | None = None
     sums: dict = {}
@@ -324,7 +365,14 @@ def _write_and_commit(coord: Coordinator, save_id: str, final: str, tmp: str, ov
          "sums": [[leaf, flat, crc] for leaf, m in sums.items() for flat, crc in m.items()]},
         use_bin_type=True,
     )
-    statuses = [msgpack.unpackb(s, strict_map_key=False) for s in coord.all_gather(f"{save_id}/written", status)]
+    try:
+        gathered = coord.all_gather(f"{save_id}/written", status)
+    except CheckpointError as e:
+        if primary:  # the primary never commits without every process's report
+            remove_tree(tmp)
+            raise CheckpointError(f"save to {final} failed, nothing committed: {e}") from None
+        raise CheckpointError(f"save to {final} failed: {e}") from None
+    statuses = [msgpack.unpackb(s, strict_map_key=False) for s in gathered]
 
     def commit() -> bytes:
         failed = {p: s["error"] for p, s in enumerate(statuses) if s["error"]}
@@ -338,7 +386,13 @@ def _write_and_commit(coord: Coordinator, save_id: str, final: str, tmp: str, ov
             remove_tree(tmp)
             return msgpack.packb({"error": f"commit failed: {type(e).__name__}: {e}"})
 
-    outcome = msgpack.unpackb(coord.broadcast(f"{save_id}/commit", commit))
+    try:
+        outcome = msgpack.unpackb(coord.broadcast(f"{save_id}/commit", commit))
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"save to {final}: every process wrote its part, but the outcome of the commit is unknown "
+            f"here (check for {final} before relying on it): {e}"
+        ) from None
     if error is not None:
         raise error
     if outcome["error"]:

@@ -42,13 +42,21 @@ class Engine(Protocol):
     def read(self, handle: Any, box: Box) -> Any: ...
 
 
+def _fill_value(dtype: np.dtype):
+    if dtype == np.bool_:
+        return False
+    if dtype.kind == "c":
+        return [0.0, 0.0]
+    return 0
+
+
 def _zarr_metadata(spec: ArraySpec) -> dict:
     return {
         "shape": list(spec.shape),
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(spec.chunk_shape)}},
         "chunk_key_encoding": {"name": "default"},
         "data_type": spec.dtype.name,
-        "fill_value": False if spec.dtype == np.bool_ else 0,
+        "fill_value": _fill_value(spec.dtype),
         "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
         "attributes": spec.attributes,
     }

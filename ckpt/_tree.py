@@ -71,7 +71,7 @@ def _plain_key(key: Any) -> Any:
 def _children(node: Any) -> list[tuple[Any, Any]] | None:
     """The (key entry, child) pairs one level down, or None when `node` is a leaf."""
     pairs, treedef = jtu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
-    if jtu.treedef_is_leaf(treedef):
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # not a registered node
         return None
     return [(path[0], child) for path, child in pairs]
 

@@ -1,0 +1,332 @@
+"""Benchmark: ckpt save/restore against the raw disk, measured in the same run.
+
+    python -m ckpt.bench --gib 2 [--runs 3] [--dir /tmp/ckpt-bench] [--json]
+
+A transformer-like tree (about --gib GiB, float32, some leaves replicated) on a 4x2 mesh of 8
+CPU devices. Each run, interleaved so that drifting disk speed hits every system alike:
+- raw write: the same unique shards as plain files, one per shard, written and fsynced by a
+  thread pool as wide as ckpt's own I/O (the baseline);
+- ckpt save (with save_blocking_s: how long save_async blocks) and a bare device-to-host copy of
+  the same unique shards;
+- raw read of those files, and ckpt restores onto the same sharding (with and without checksum
+  verification), onto mesh (2,4) and onto one device; the page cache is emptied (fadvise
+  DONTNEED on every file) before each read;
+- optionally (--train) the mean step time of a small MLP training loop with an async save every
+  step versus no saving.
+Reported figures are medians over the runs; ratios are against the raw baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+
+def _setup_devices(n: int) -> None:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", n)
+    jax.config.update("jax_platforms", "cpu")
+
+
+def _evict(root: str) -> None:
+    for d, _, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _prefault(nbytes: int) -> None:
+    """Touch and free memory (untimed) so each timed region finds the host's pages ready."""
+    import numpy as np
+
+    a = np.ones(nbytes // 8, dtype=np.float64)
+    del a
+
+
+def _make_tree(gib: float, mesh):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    d, vocab, seq = 2048, 16384, 2048
+    per_layer = 4 * d * d + 2 * d * 4 * d
+    fixed = vocab * d + seq * d
+    layers = max(1, round((gib * 2**30 / 4 - fixed) / per_layer))
+
+    def put(shape, spec, seed):
+        x = jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    tree = {
+        "embed": put((vocab, d), P("x", "y"), 0),
+        "pos_embed": put((seq, d), P(), 1),  # replicated over all 8 devices
+        "layers": [],
+        "final_norm": put((d,), P(), 2),
+    }
+    for i in range(layers):
+        s = 10 + 10 * i
+        tree["layers"].append({
+            "attn": {n: put((d, d), P("x", "y"), s + k) for k, n in enumerate(["wq", "wk", "wv", "wo"])},
+            "mlp": {"w1": put((d, 4 * d), P(None, "y"), s + 5), "w2": put((4 * d, d), P("y", None), s + 6)},
+            "norm": put((d,), P(), s + 7),
+        })
+    jax.block_until_ready(tree)
+    return tree
+
+
+def _unique_shards(tree):
+    """(name, per-device array) of every unique shard, with replica_id == 0."""
+    import jax
+
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        for s in leaf.addressable_shards:
+            if s.replica_id == 0:
+                out.append((f"{jax.tree_util.keystr(path)}{s.index}", s.data))
+    return out
+
+
+def _raw_write(shards, root: str, width: int) -> float:
+    import numpy as np
+
+    os.makedirs(root)
+
+    def write(i_x):
+        i, x = i_x
+        fd = os.open(os.path.join(root, str(i)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, memoryview(np.asarray(x)).cast("B"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(width) as ex:
+        list(ex.map(write, enumerate(x for _, x in shards)))
+    return time.perf_counter() - t
+
+
+def _raw_read(shards, root: str, width: int) -> float:
+    import numpy as np
+
+    def read(i_x):
+        i, x = i_x
+        out = np.empty(x.shape, x.dtype)
+        with open(os.path.join(root, str(i)), "rb", buffering=0) as f:
+            f.readinto(memoryview(out).cast("B"))
+        return out
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(width) as ex:
+        list(ex.map(read, enumerate(x for _, x in shards)))
+    return time.perf_counter() - t
+
+
+def _bare_copy(shards) -> float:
+    import numpy as np
+
+    t = time.perf_counter()
+    for _, x in shards:
+        x.copy_to_host_async()
+    copies = [np.array(x, copy=True) for _, x in shards]
+    dt = time.perf_counter() - t
+    del copies
+    return dt
+
+
+def _check(restored, refs) -> None:
+    """Spot-check one shard of every restored leaf against host copies of the originals."""
+    import jax
+    import numpy as np
+
+    for a, ref in zip(jax.tree.leaves(restored), refs):
+        s = a.addressable_shards[-1]
+        assert np.array_equal(np.asarray(s.data), ref[s.index]), "restore mismatch"
+
+
+def _train_overhead(root: str, steps: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import ckpt
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    sizes = [1024, 2048, 2048, 1024]
+    keys = jax.random.split(jax.random.key(0), len(sizes))
+    params = [
+        {"w": jax.device_put(jax.random.normal(k, (a, b)) * 0.02, NamedSharding(mesh, P(None, "model"))),
+         "b": jax.device_put(jnp.zeros((b,)), NamedSharding(mesh, P()))}
+        for k, a, b in zip(keys, sizes[:-1], sizes[1:])
+    ]
+
+    def loss(params, x):
+        for layer in params:
+            x = jnp.tanh(x @ layer["w"] + layer["b"])
+        return jnp.mean(x ** 2)
+
+    def sgd(params, x):
+        g = jax.grad(loss)(params, x)
+        return jax.tree.map(lambda p, g: p - 0.01 * g, params, g)
+
+    step = jax.jit(sgd, donate_argnums=0)
+    x = jax.device_put(np.random.default_rng(0).standard_normal((256, sizes[0]), np.float32),
+                       NamedSharding(mesh, P("data")))
+    params = step(params, x)
+    jax.block_until_ready(params)
+
+    def loop(save: bool) -> float:
+        nonlocal params
+        shutil.rmtree(root, ignore_errors=True)
+        handle = None
+        t = time.perf_counter()
+        for i in range(steps):
+            params = step(params, x)
+            if save:
+                if handle is not None:
+                    handle.wait()
+                handle = ckpt.save_async(os.path.join(root, f"step_{i:08d}"), params)
+        jax.block_until_ready(params)
+        dt = (time.perf_counter() - t) / steps
+        if handle is not None:
+            handle.wait()
+        return dt
+
+    loop(True)  # warm up both paths
+    base = statistics.median(loop(False) for _ in range(3))
+    saving = statistics.median(loop(True) for _ in range(3))
+    nbytes = sum(l.nbytes for l in jax.tree.leaves(params))
+    shutil.rmtree(root, ignore_errors=True)
+    return {"state_mib": nbytes / 2**20, "step_s_no_save": base, "step_s_async_save_every_step": saving,
+            "overhead": saving / base - 1}
+
+
+def run(gib: float, runs: int, root: str, train: bool) -> dict:
+    _setup_devices(8)
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, SingleDeviceSharding
+
+    import ckpt
+    from ckpt._storage import IO_CONCURRENCY
+
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    tree = _make_tree(gib, mesh)
+    shards = _unique_shards(tree)
+    refs = [np.asarray(x) for x in jax.tree.leaves(tree)]
+    nbytes = sum(x.nbytes for _, x in shards)
+    gib_unique = nbytes / 2**30
+    os.makedirs(root, exist_ok=True)
+    raw_dir, ck_dir = os.path.join(root, "raw"), os.path.join(root, "ckpt")
+    same = jax.tree.map(lambda a: a.sharding, tree)
+    mesh24 = jax.make_mesh((2, 4), ("x", "y"))
+    swapped = jax.tree.map(lambda a: NamedSharding(mesh24, a.sharding.spec), tree)
+    one = jax.tree.map(lambda a: SingleDeviceSharding(jax.devices()[0]), tree)
+    t: dict[str, list[float]] = {}
+
+    def timed(name, fn):
+        _prefault(int(1.25 * nbytes))
+        t.setdefault(name, []).append(fn())
+
+    def restore(target, verify=True):
+        def go():
+            _evict(ck_dir)
+            s = time.perf_counter()
+            out = ckpt.restore(ck_dir, target, verify=verify)
+            jax.block_until_ready(out)
+            dt = time.perf_counter() - s
+            _check(out, refs)
+            return dt
+        return go
+
+    def save():
+        s = time.perf_counter()
+        h = ckpt.save_async(ck_dir, tree)
+        t.setdefault("save_blocking", []).append(time.perf_counter() - s)
+        h.wait()
+        return time.perf_counter() - s
+
+    def raw_read():
+        _evict(raw_dir)
+        return _raw_read(shards, raw_dir, IO_CONCURRENCY)
+
+    for r in range(runs):
+        for d in (raw_dir, ck_dir):
+            shutil.rmtree(d, ignore_errors=True)
+        timed("raw_write", lambda: _raw_write(shards, raw_dir, IO_CONCURRENCY))
+        timed("save", save)
+        timed("bare_d2h_copy", lambda: _bare_copy(shards))
+        timed("raw_read", raw_read)
+        timed("restore_same", restore(same))
+        timed("restore_same_noverify", restore(same, verify=False))
+        timed("restore_mesh24", restore(swapped))
+        timed("restore_one_device", restore(one))
+        print(f"run {r + 1}/{runs}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in t.items()), file=sys.stderr)
+    shutil.rmtree(raw_dir, ignore_errors=True)
+    shutil.rmtree(ck_dir, ignore_errors=True)
+
+    med = {k: statistics.median(v) for k, v in t.items()}
+    result = {
+        "unique_gib": gib_unique, "runs": runs, "io_concurrency": IO_CONCURRENCY,
+        "seconds": med, "gib_per_s": {k: gib_unique / v for k, v in med.items() if k not in ("save_blocking",)},
+        "ratios": {
+            "save / raw_write": med["raw_write"] / med["save"],
+            "restore_same / raw_read": med["raw_read"] / med["restore_same"],
+            "restore_same_noverify / raw_read": med["raw_read"] / med["restore_same_noverify"],
+            "restore_mesh24 / raw_read": med["raw_read"] / med["restore_mesh24"],
+            "restore_one_device / raw_read": med["raw_read"] / med["restore_one_device"],
+            "verify cost (1 - noverify_s / verify_s)": 1 - med["restore_same_noverify"] / med["restore_same"],
+            "save_blocking / bare_d2h_copy": med["save_blocking"] / med["bare_d2h_copy"],
+        },
+    }
+    if train:
+        result["train"] = _train_overhead(os.path.join(root, "train"), steps=20)
+    return result
+
+
+def _print_table(res: dict) -> None:
+    print(f"\njax-ckpt benchmark: {res['unique_gib']:.2f} GiB unique, median of {res['runs']} runs, "
+          f"I/O width {res['io_concurrency']}")
+    print(f"{'measure':<28}{'seconds':>10}{'GiB/s':>10}")
+    for k, v in res["seconds"].items():
+        rate = res["gib_per_s"].get(k)
+        print(f"{k:<28}{v:>10.3f}{(f'{rate:.2f}' if rate else ''):>10}")
+    print("\nratios (throughput vs raw baseline measured in the same run; higher is better)")
+    for k, v in res["ratios"].items():
+        print(f"  {k:<44}{v:>8.2f}")
+    if "train" in res:
+        tr = res["train"]
+        print(f"\ntraining step ({tr['state_mib']:.0f} MiB state): {tr['step_s_no_save'] * 1e3:.1f} ms without saving, "
+              f"{tr['step_s_async_save_every_step'] * 1e3:.1f} ms with an async save every step "
+              f"({tr['overhead'] * 100:+.1f}%)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ckpt bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--gib", type=float, default=2.0, help="approximate size of the tree (default 2)")
+    p.add_argument("--runs", type=int, default=3, help="runs to take the median of (default 3)")
+    p.add_argument("--dir", default="/tmp/ckpt-bench", help="scratch directory on the disk to measure")
+    p.add_argument("--train", action="store_true", help="also measure training-step overhead of async saves")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = p.parse_args(argv)
+    res = run(args.gib, args.runs, args.dir, args.train)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        _print_table(res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

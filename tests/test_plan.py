@@ -1,0 +1,135 @@
+"""The pure parts: layout geometry, save and restore plans, batching, storage names."""
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import ckpt
+from ckpt import _restore
+from ckpt._layout import index_to_box, named_boxes
+from ckpt._plan import ArrayShards, batch_by_budget, plan_leaf_read, plan_save
+from ckpt._tree import escape_component, storage_paths
+
+MESHES = [((8,), ("a",)), ((4, 2), ("a", "b")), ((2, 4), ("a", "b")), ((2, 2, 2), ("a", "b", "c"))]
+SPECS = [P(), P("a"), P(None, "a"), P("a", "b"), P("b", "a"), P(("a", "b")), P(None, ("b", "a")), P(("a", "c"), "b")]
+
+
+@pytest.mark.parametrize("mesh_shape,names", MESHES)
+def test_named_boxes_agree_with_jax(mesh_shape, names):
+    shape = (16, 32)
+    mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), names)
+    checked = 0
+    for spec in SPECS:
+        if not set(a for e in spec if e for a in ((e,) if isinstance(e, str) else e)) <= set(names):
+            continue
+        want = {d.id: index_to_box(i, shape) for d, i in NamedSharding(mesh, spec).devices_indices_map(shape).items()}
+        got = named_boxes(shape, names, mesh_shape, tuple(spec))
+        for coord, box in got.items():
+            assert box == want[mesh.devices[coord].id], (spec, coord)
+        checked += 1
+    assert checked >= 3
+
+
+def test_named_boxes_names_the_axis_that_does_not_divide():
+    with pytest.raises(ValueError, match=r"dimension 0 of size 10 is not divisible by mesh axes \['a'\]"):
+        named_boxes((10,), ("a",), (4,), ("a",))
+
+
+def _holders_for(processes, devices_per_process, n_arrays, nbytes_each):
+    """Fully replicated arrays: every device of every process holds a copy."""
+    holders = [(p, p * 100 + d) for p in range(processes) for d in range(devices_per_process)]
+    return [ArrayShards(i, 4, {((0, nbytes_each // 4),): holders}) for i in range(n_arrays)]
+
+
+def test_save_plan_spreads_replicated_arrays_over_processes():
+    plan = plan_save(_holders_for(4, 2, 16, 1 << 20))
+    per_proc = plan.bytes_by_process()
+    assert sorted(per_proc) == [0, 1, 2, 3]
+    assert all(v == 4 << 20 for v in per_proc.values())
+    devices = {w.device for w in plan.writes}
+    assert len(devices) == 8  # spread over devices too, not only processes
+
+
+def test_save_plan_with_uneven_sizes_stays_within_bounds():
+    rng = np.random.default_rng(0)
+    arrays = [ArrayShards(i, 1, {((0, int(n)),): [(p, p) for p in range(4)]})
+              for i, n in enumerate(rng.integers(1 << 10, 1 << 20, 40))]
+    plan = plan_save(arrays)
+    total = sum(plan.bytes_by_process().values())
+    for p, v in plan.bytes_by_process().items():
+        assert 0.2 <= v / total <= 0.3, (p, v / total)
+
+
+def test_save_plan_writes_each_unique_shard_once_from_a_holder():
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    shape = (16, 8)
+    arrays = []
+    for i, spec in enumerate([P("x", "y"), P("x"), P(None, "y"), P()]):
+        holders = {}
+        for d, idx in NamedSharding(mesh, spec).devices_indices_map(shape).items():
+            holders.setdefault(index_to_box(idx, shape), []).append((d.process_index, d.id))
+        arrays.append(ArrayShards(i, 4, holders))
+    plan = plan_save(arrays)
+    for a in arrays:
+        writes = [w for w in plan.writes if w.leaf == a.leaf]
+        assert sorted(w.box for w in writes) == sorted(a.holders)  # each box exactly once
+        for w in writes:
+            assert (w.process, w.device) in a.holders[w.box]
+    assert plan == plan_save(list(reversed(arrays)))  # deterministic, order-independent
+
+
+def test_restore_plan_reads_each_overlapping_chunk_once():
+    # 24 rows saved in 8 chunks of 3; restored on 3 devices of 8 rows: boundaries cut chunks.
+    boxes = [((0, 8), (0, 4)), ((8, 16), (0, 4)), ((16, 24), (0, 4))]
+    plan = plan_leaf_read(0, (24, 4), (3, 4), 4, boxes)
+    assert [r.chunks for r in plan.regions] == [((0, 0), (1, 0), (2, 0)), ((2, 0), (3, 0), (4, 0), (5, 0)),
+                                                 ((5, 0), (6, 0), (7, 0))]
+    assert len(plan.chunks) == 8 and plan.bytes_read == plan.bytes_needed == 24 * 4 * 4
+    one = plan_leaf_read(0, (24, 4), (3, 4), 4, [((4, 5), (1, 3))])
+    assert [c.index for c in one.chunks] == [(1, 0)] and one.bytes_read == 48 and one.bytes_needed == 8
+
+
+def test_batch_by_budget():
+    assert batch_by_budget([5, 5, 5, 20, 1], 10) == [[0, 1], [2], [3], [4]]
+    assert batch_by_budget([], 10) == []
+
+
+def test_restore_respects_the_host_budget(tmp_path, monkeypatch):
+    """Leaves are read in batches whose bytes stay under the budget (a single larger leaf is a
+    batch of its own), and the result is still exact."""
+    sharding = NamedSharding(jax.make_mesh((4, 2), ("x", "y")), P("x", "y"))
+    values = {f"w{i}": np.random.default_rng(i).standard_normal((64, 64)).astype(np.float32) for i in range(6)}
+    values["big"] = np.ones((256, 256), np.float32)
+    ckpt.save(tmp_path / "c", {k: jax.device_put(v, sharding) for k, v in values.items()})
+    budget = 40_000  # one 16 KiB leaf (read + assembled: 32 KiB) fits, two do not
+    monkeypatch.setattr(_restore, "HOST_BUDGET_BYTES", budget)
+    batches = []
+    real = _restore._Reader.read
+
+    def spy(self, plans):
+        batches.append(sum(p.bytes_read + p.bytes_needed for p in plans))
+        return real(self, plans)
+
+    monkeypatch.setattr(_restore._Reader, "read", spy)
+    out = ckpt.restore(tmp_path / "c", {k: sharding for k in values})
+    assert len(batches) >= 4
+    assert all(b <= budget for b in batches if b != 2 * 256 * 256 * 4)
+    for k, v in values.items():
+        for s in out[k].addressable_shards:
+            assert np.array_equal(np.asarray(s.data), v[s.index])
+
+
+def test_storage_names_are_safe_and_unique():
+    assert escape_component("wq") == "wq"
+    assert escape_component("a/b") == "a%2Fb"
+    assert escape_component("..") == "%2E."
+    assert escape_component("") == "%"
+    assert escape_component("zarr.json") == "%7Aarr.json"
+    assert escape_component("é") == "%C3%A9"
+    paths = storage_paths([("A",), ("a",), ("a", "b"), ("B", "c"), ("b",)])
+    assert len({p.lower() for p in paths}) == 5
+    for p, q in itertools.combinations(paths, 2):
+        assert not q.lower().startswith(p.lower() + "/") and not p.lower().startswith(q.lower() + "/")
