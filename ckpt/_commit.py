@@ -26,6 +26,7 @@ from typing import Callable, Protocol
 from ckpt._errors import CheckpointError
 from ckpt._fs import exchange, fsync_path, remove_tree, rename_noreplace, write_file_synced
 from ckpt._manifest import MANIFEST_NAME, Manifest
+from ckpt._manifest_check import check_manifest
 
 TEMP_MARK = ".tmp-"
 
@@ -37,13 +38,18 @@ class Coordinator(Protocol):
     process_count: int
 
     def new_save_id(self) -> str:
-        """An id for the next save; every process gets the same one for the same save."""
+        """An id for the next save; every process gets the same one for the same save.
+        Each call is matched by one ``end_save`` once this process is done with the save."""
 
     def all_gather(self, key: str, value: bytes) -> list[bytes]:
-        """Every process's `value`, by process index. Raises naming processes that never sent."""
+        """Every process's `value`, by process index. Raises naming processes that never sent.
+        `key` is ``<save id>/<step>``, used once per save."""
 
     def broadcast(self, key: str, make: Callable[[], bytes]) -> bytes:
-        """The primary's `make()`, on every process."""
+        """The primary's `make()`, on every process (if it raises there, the others raise too)."""
+
+    def end_save(self, save_id: str) -> None:
+        """This process made its last exchange of `save_id` (or gave up on the save)."""
 
 
 class LocalCoordinator:
@@ -64,6 +70,9 @@ class LocalCoordinator:
 
     def broadcast(self, key: str, make: Callable[[], bytes]) -> bytes:
         return make()
+
+    def end_save(self, save_id: str) -> None:
+        pass
 
 
 _local = LocalCoordinator()
@@ -127,4 +136,4 @@ def read_manifest(root: str) -> Manifest:
         )
         raise CheckpointError(f"{root} is not a committed checkpoint: {why}")
     with open(path, "rb") as f:
-        return Manifest.decode(f.read(), root)
+        return check_manifest(Manifest.decode(f.read(), root), root)

@@ -57,7 +57,8 @@ def to_storage(a: np.ndarray) -> np.ndarray:
         a = a.astype(storage)
     if a.dtype.byteorder == ">":
         a = a.astype(a.dtype.newbyteorder("<"))
-    return np.ascontiguousarray(a)
+    # ascontiguousarray turns a 0-d array into shape (1,); the reshape keeps the shape.
+    return np.ascontiguousarray(a).reshape(a.shape)
 
 
 def from_storage(a: np.ndarray, logical: np.dtype) -> np.ndarray:

@@ -79,6 +79,10 @@ class TensorStoreEngine:
                 {
                     "file_io_concurrency": {"limit": IO_CONCURRENCY},
                     "cache_pool": {"total_bytes_limit": 0},
+                    # Chunks are written once, by one process, into a private temporary
+                    # directory whose rename is the atomic step: no lock files or per-chunk
+                    # renames needed. Files are still fsynced (file_io_sync defaults to true).
+                    "file_io_locking": {"mode": "non_atomic"},
                 }
             )
 

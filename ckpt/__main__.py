@@ -1,0 +1,7 @@
+"""`python -m ckpt ...` is the `ckpt` command."""
+
+import sys
+
+from ckpt._cli import main
+
+sys.exit(main())

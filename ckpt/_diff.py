@@ -1,0 +1,240 @@
+"""`ckpt diff A B`: what differs between two checkpoints, values included.
+
+Arrays are compared block by block: A's chunks, split further when a chunk is larger than the
+block budget, are read from both checkpoints (B through its own chunking), so memory stays at
+a few blocks whatever the checkpoint size.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import ml_dtypes
+import numpy as np
+
+from ckpt import _dtypes
+from ckpt._errors import CheckpointError
+from ckpt._layout import Box, box_shape, chunk_box, chunk_grid, full_box, relative
+from ckpt._locate import Opened
+from ckpt._manifest import ARRAY_KINDS, LeafRecord
+from ckpt._restore import py_value
+from ckpt._storage import engine_for
+from ckpt._tree import display_path
+
+DEFAULT_BLOCK_BYTES = 64 << 20
+
+
+@dataclass
+class ArrayDiff:
+    path: str
+    elements: int
+    differing: int = 0
+    max_abs_diff: float = 0.0
+
+    @property
+    def equal(self) -> bool:
+        return self.differing == 0
+
+
+@dataclass
+class DiffReport:
+    a: str
+    b: str
+    only_a: list[str] = field(default_factory=list)
+    only_b: list[str] = field(default_factory=list)
+    kind_changes: list[tuple[str, str, str]] = field(default_factory=list)
+    shape_changes: list[tuple[str, list, list]] = field(default_factory=list)
+    dtype_changes: list[tuple[str, str, str]] = field(default_factory=list)
+    arrays: list[ArrayDiff] = field(default_factory=list)
+    values: list[tuple[str, Any, Any]] = field(default_factory=list)  # non-array leaves
+    bytes_compared: int = 0
+
+    @property
+    def identical(self) -> bool:
+        return not (self.only_a or self.only_b or self.kind_changes or self.shape_changes
+                    or self.dtype_changes or any(not d.equal for d in self.arrays)
+                    or any(not same_value(a, b) for _, a, b in self.values))
+
+
+class _Source:
+    """Regions of one saved array, as logical-dtype numpy arrays."""
+
+    def __init__(self, root: str, rec: LeafRecord):
+        self.rec, self.root = rec, root
+        self.logical = _dtypes.dtype_from_name(rec.dtype)
+        self.inline = rec.storage["type"] == "inline"
+        if self.inline:
+            storage_dtype, _ = _dtypes.storage_of(self.logical)
+            whole = np.frombuffer(rec.storage["data"], dtype=storage_dtype.newbyteorder("<")).reshape(rec.shape)
+            self.whole = _dtypes.from_storage(whole.astype(storage_dtype), self.logical)
+        else:
+            self.engine = engine_for(root)
+            self.handle = self._wait(self.engine.open_read(rec.storage["path"]), None)
+
+    def _wait(self, fut, box: Box | None):
+        try:
+            return fut.result()
+        except Exception as e:
+            where = "" if box is None else f", region {[list(b) for b in box]}"
+            raise CheckpointError(f"{self.root}: leaf {display_path(self.rec.path)!r}{where}: cannot read: {e}") from None
+
+    def start(self, box: Box):
+        if self.inline:
+            return box
+        return self.engine.read(self.handle, box), box
+
+    def finish(self, started) -> np.ndarray:
+        if self.inline:
+            return self.whole[relative(started, full_box(self.rec.shape))]
+        fut, box = started
+        return _dtypes.from_storage(self._wait(fut, box), self.logical)
+
+
+def same_value(x: Any, y: Any) -> bool:
+    """Equality of two non-array leaf values, with NaN equal to NaN."""
+    if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
+        return True
+    return type(x) is type(y) and x == y
+
+
+def _blocks(shape: tuple[int, ...], chunk_shape: tuple[int, ...], max_elements: int) -> Iterator[Box]:
+    """Boxes covering the array: each chunk, cut along its leading dimensions into pieces of at
+    most `max_elements` elements (a single row of the last dimension may exceed it)."""
+    piece = list(chunk_shape)
+    for d in range(len(piece)):
+        inner = math.prod(piece[d + 1:])
+        if math.prod(piece) <= max_elements:
+            break
+        piece[d] = max(1, max_elements // max(inner, 1))
+    for index in itertools.product(*(range(n) for n in chunk_grid(shape, chunk_shape))):
+        cbox = chunk_box(index, chunk_shape, shape)
+        ranges = [range(a, b, p) for (a, b), p in zip(cbox, piece)]
+        for starts in itertools.product(*ranges):
+            yield tuple((s, min(s + p, b)) for s, p, (_, b) in zip(starts, piece, cbox))
+
+
+def _is_integer(dtype: np.dtype) -> bool:
+    if dtype.kind in "biu":
+        return True
+    try:
+        ml_dtypes.iinfo(dtype)
+        return True
+    except (ValueError, TypeError):
+        return False
+
+
+def compare_values(a: np.ndarray, b: np.ndarray) -> tuple[int, float]:
+    """(number of differing elements, largest |a - b| among them); NaN equals NaN."""
+    if _is_integer(a.dtype) and _is_integer(b.dtype):
+        x = a if a.dtype.kind in "iu" and a.dtype.itemsize == 8 else a.astype(np.int64)
+        y = b if b.dtype.kind in "iu" and b.dtype.itemsize == 8 else b.astype(np.int64)
+        ne = x != y
+        if not ne.any():
+            return 0, 0.0
+        return int(ne.sum()), float(np.max(np.abs(x[ne].astype(np.float64) - y[ne].astype(np.float64))))
+    wide = np.complex128 if np.complexfloating in (a.dtype.type.__mro__ + b.dtype.type.__mro__) else np.float64
+    x, y = a.astype(wide), b.astype(wide)
+    ne = (x != y) & ~(np.isnan(x) & np.isnan(y))
+    if not ne.any():
+        return 0, 0.0
+    return int(ne.sum()), float(np.max(np.abs(x[ne] - y[ne])))
+
+
+def _diff_array(a: Opened, ra: LeafRecord, b: Opened, rb: LeafRecord, block_bytes: int, report: DiffReport) -> ArrayDiff:
+    src_a, src_b = _Source(a.root, ra), _Source(b.root, rb)
+    out = ArrayDiff(ra.path, math.prod(ra.shape))
+    if out.elements == 0:
+        return out
+    chunk_shape = tuple(ra.shape) if src_a.inline else tuple(ra.storage["chunk_shape"])
+    itemsize = max(src_a.logical.itemsize, src_b.logical.itemsize, 8)  # compared as 8-byte values
+    for box in _blocks(tuple(ra.shape), chunk_shape, max(1, block_bytes // itemsize)):
+        started_a, started_b = src_a.start(box), src_b.start(box)
+        x, y = src_a.finish(started_a), src_b.finish(started_b)
+        n, worst = compare_values(x, y)
+        if n:
+            out.differing += n
+            out.max_abs_diff = worst if math.isnan(worst) or worst > out.max_abs_diff else out.max_abs_diff
+        report.bytes_compared += math.prod(box_shape(box)) * (src_a.logical.itemsize + src_b.logical.itemsize)
+    return out
+
+
+def diff_checkpoints(a: Opened, b: Opened, block_bytes: int = DEFAULT_BLOCK_BYTES) -> DiffReport:
+    report = DiffReport(a.root, b.root)
+    la = {r.path: r for r in a.manifest.leaves}
+    lb = {r.path: r for r in b.manifest.leaves}
+    report.only_a = [p for p in la if p not in lb]
+    report.only_b = [p for p in lb if p not in la]
+    for path, ra in la.items():
+        rb = lb.get(path)
+        if rb is None:
+            continue
+        array_a, array_b = ra.kind in ARRAY_KINDS, rb.kind in ARRAY_KINDS
+        if not array_a or not array_b:
+            if ra.kind != rb.kind:
+                report.kind_changes.append((path, ra.kind, rb.kind))
+            else:
+                report.values.append((path, py_value(ra), py_value(rb)))
+            continue
+        if (ra.kind == "prng_key") != (rb.kind == "prng_key") or ra.prng_impl != rb.prng_impl:
+            report.kind_changes.append((path, f"{ra.kind} {ra.prng_impl or ''}".strip(),
+                                        f"{rb.kind} {rb.prng_impl or ''}".strip()))
+            continue
+        if ra.dtype != rb.dtype:
+            report.dtype_changes.append((path, ra.dtype, rb.dtype))
+        if tuple(ra.shape) != tuple(rb.shape):
+            report.shape_changes.append((path, list(ra.shape), list(rb.shape)))
+            continue
+        report.arrays.append(_diff_array(a, ra, b, rb, block_bytes, report))
+    return report
+
+
+def diff_document(r: DiffReport) -> dict:
+    from ckpt._inspect import json_safe
+
+    return {
+        "a": r.a, "b": r.b, "identical": r.identical,
+        "only_in_a": r.only_a, "only_in_b": r.only_b,
+        "kind_changed": [{"path": p, "a": x, "b": y} for p, x, y in r.kind_changes],
+        "shape_changed": [{"path": p, "a": x, "b": y} for p, x, y in r.shape_changes],
+        "dtype_changed": [{"path": p, "a": x, "b": y} for p, x, y in r.dtype_changes],
+        "arrays": [{"path": d.path, "equal": d.equal, "elements": d.elements, "differing": d.differing,
+                    "max_abs_diff": json_safe(d.max_abs_diff)} for d in r.arrays],
+        "values": [{"path": p, "equal": same_value(x, y), "a": json_safe(x), "b": json_safe(y)} for p, x, y in r.values],
+    }
+
+
+def render_diff(r: DiffReport) -> str:
+    out = [f"A: {r.a}", f"B: {r.b}"]
+
+    def section(title: str, lines: list[str]) -> None:
+        if lines:
+            out.append(f"{title} ({len(lines)}):")
+            out.extend("  " + line for line in lines)
+
+    section("only in A", [display_path(p) for p in r.only_a])
+    section("only in B", [display_path(p) for p in r.only_b])
+    section("kind changed", [f"{display_path(p)}: {x} -> {y}" for p, x, y in r.kind_changes])
+    section("shape changed", [f"{display_path(p)}: {x} -> {y}" for p, x, y in r.shape_changes])
+    section("dtype changed", [f"{display_path(p)}: {x} -> {y}" for p, x, y in r.dtype_changes])
+    width = max([len(display_path(d.path)) for d in r.arrays] + [0])
+    section("arrays", [
+        f"{display_path(d.path):<{width}}  " + (
+            "equal" if d.equal else
+            f"differ  max |a-b| = {d.max_abs_diff:.6g}  ({d.differing} of {d.elements} elements)")
+        for d in r.arrays
+    ])
+    section("values", [
+        f"{display_path(p)}: " + ("equal" if same_value(x, y) else f"{x!r} -> {y!r}") for p, x, y in r.values
+    ])
+    differ = sum(not d.equal for d in r.arrays)
+    changed = sum(not same_value(x, y) for _, x, y in r.values)
+    out.append(
+        f"summary: {'identical' if r.identical else 'different'}; {len(r.arrays)} common arrays compared "
+        f"({len(r.arrays) - differ} equal, {differ} differ), {changed} of {len(r.values)} values changed, "
+        f"{len(r.only_a)} only in A, {len(r.only_b)} only in B, {len(r.shape_changes)} shape and "
+        f"{len(r.dtype_changes)} dtype changes"
+    )
+    return "\n".join(out)

@@ -1,0 +1,89 @@
+"""Write the golden checkpoint of the current format version (formats/golden/v<N>/checkpoint).
+
+    .venv/bin/python formats/make_golden.py            # refuses to replace an existing one
+    .venv/bin/python formats/make_golden.py --force    # only while that version is unreleased
+
+A golden checkpoint is written once per format version and then never regenerated: tests read
+it back with the current code (tests/test_format.py) to prove old checkpoints stay readable.
+Its values are simple formulas that the test restates independently; keep `golden_tree` and
+the test's expectations in step when adding a new version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def golden_tree(mesh: Mesh) -> dict:
+    """Every kind of leaf format version 1 stores, small enough to check in (< 100 KB)."""
+
+    def put(a: np.ndarray, *spec) -> jax.Array:
+        return jax.device_put(a, NamedSharding(mesh, P(*spec)))
+
+    kernel = np.arange(16 * 96, dtype=np.float32).reshape(16, 96) * 0.5 - 100.0
+    embed = ((np.arange(64 * 48) % 64) * 0.25).astype(ml_dtypes.bfloat16).reshape(64, 48)
+    w_int4 = ((np.arange(64 * 80) % 16) - 8).astype(ml_dtypes.int4).reshape(64, 80)
+    return {
+        "params": {
+            "dense": {
+                "kernel": put(kernel, "data", "model"),  # zarr, 8 chunks of (8, 24)
+                "bias": put(np.arange(96, dtype=np.float32) / 8, "model"),  # inline
+            },
+            "embed": put(embed, None, "model"),  # bfloat16 bits in uint16, 4 chunks of (64, 12)
+        },
+        "quant": {
+            "w_int4": put(w_int4, "data"),  # int4 values in int8, 2 chunks of (32, 80)
+            "scale_int8": np.arange(-4, 4, dtype=np.int8),  # numpy, inline
+            "fp8": put(np.linspace(-2, 2, 16, dtype=np.float32).astype(ml_dtypes.float8_e4m3fn).reshape(4, 4)),
+        },
+        "data": {"valid": np.arange(4100) % 3 == 0},  # numpy bool, zarr, one chunk
+        "mask": put((np.add.outer(np.arange(8), np.arange(8)) % 2 == 0)),  # bool, replicated, inline
+        "opt": (jnp.int32(5), [np.float32(0.25), None]),  # tuple, list, None
+        "rng": jax.random.key(42),
+        "step": 7,
+        "name": "golden-v1",
+        "lr": 0.125,
+        "flag": True,
+        "big": 2**70,
+        "z": 1 + 2j,
+        "blob": b"\x00\x01ckpt",
+    }
+
+
+def main(argv=None) -> int:
+    import ckpt
+    from ckpt._manifest import FORMAT_VERSION
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--force", action="store_true", help="replace an existing golden checkpoint")
+    args = parser.parse_args(argv)
+    dest = os.path.join(HERE, "golden", f"v{FORMAT_VERSION}", "checkpoint")
+    if os.path.exists(dest):
+        if not args.force:
+            print(f"{dest} exists; golden checkpoints are never regenerated (use --force only for an "
+                  "unreleased format version)", file=sys.stderr)
+            return 1
+        shutil.rmtree(dest)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    ckpt.save(dest, golden_tree(mesh))
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(dest) for f in fs)
+    print(f"wrote {dest} ({size} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

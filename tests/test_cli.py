@@ -1,0 +1,331 @@
+"""The `ckpt` console script, run as a subprocess on real checkpoints."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import ml_dtypes
+import msgpack
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import ckpt
+from ckpt._cli import main as cli_main
+from ckpt._restore import restore_with_stats
+
+_SCRIPT = os.path.join(os.path.dirname(sys.executable), "ckpt")
+CKPT = [_SCRIPT] if os.path.exists(_SCRIPT) else [sys.executable, "-m", "ckpt._cli"]
+
+
+def run(*args, check_rc=None):
+    p = subprocess.run([*CKPT, *map(str, args)], capture_output=True, text=True, timeout=120)
+    if check_rc is not None:
+        assert p.returncode == check_rc, (p.returncode, p.stdout, p.stderr)
+    return p
+
+
+def _mesh(shape=(2, 4)):
+    return Mesh(np.array(jax.devices()[:8]).reshape(shape), ("data", "model"))
+
+
+W = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) / 8  # 8 chunks of (32, 8): 1 KiB each
+MU = np.linspace(-1, 1, 64 * 32, dtype=np.float32).reshape(64, 32)
+
+
+def _train_state(step):
+    """A training state after `step` steps of a toy optimiser (exact in float32)."""
+    mesh = _mesh()
+    spec = NamedSharding(mesh, P("data", "model"))
+    return {
+        "params": {"w": jax.device_put(W - 0.125 * step, spec),
+                   "b": jax.device_put(np.full(32, 0.5, np.float32), NamedSharding(mesh, P("model")))},
+        "opt": {"mu": jax.device_put(MU, spec), "count": np.int32(step)},
+        "step": step,
+        "tag": "run-1",
+    }
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("cli") / "run"
+    manager = ckpt.CheckpointManager(directory, async_save=False)
+    for step in (1, 2):
+        manager.save(step, _train_state(step), metadata={"loss": 1.0 / step})
+    manager.close()
+    # A save that never committed, as a crash leaves it.
+    tmp = directory / "step_00000003.tmp-0123456789ab"
+    tmp.mkdir()
+    (tmp / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group", "attributes": {}}')
+    return directory
+
+
+@pytest.fixture
+def step2_copy(run_dir, tmp_path):
+    dst = tmp_path / "step2"
+    shutil.copytree(run_dir / "step_00000002", dst)
+    return dst
+
+
+def test_help_lists_every_command_and_each_command_explains_itself(capsys):
+    out = run("--help", check_rc=0).stdout
+    for command in ("ls", "inspect", "verify", "diff", "plan", "bench"):
+        assert f"\n    {command} " in out
+    for command, words in [("plan", ["--mesh", "--processes", "read amplification"]),
+                           ("verify", ["CRC-32C", "progress"]), ("diff", ["--block-bytes", "NaN"])]:
+        with pytest.raises(SystemExit) as e:
+            cli_main([command, "--help"])
+        assert e.value.code == 0
+        text = " ".join(capsys.readouterr().out.split())
+        assert all(w in text for w in words), (command, text)
+
+
+def test_ls_lists_steps_with_state_size_files_and_time(run_dir):
+    rows = json.loads(run("ls", run_dir, "--json", check_rc=0).stdout)
+    assert [(r["step"], r["state"]) for r in rows] == [(1, "committed"), (2, "committed"), (3, "uncommitted")]
+    for r in rows:
+        sizes = [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(r["path"]) for f in fs]
+        assert (r["bytes"], r["files"]) == (sum(sizes), len(sizes))
+    for r in rows[:2]:
+        with open(os.path.join(r["path"], "manifest.msgpack"), "rb") as f:
+            assert r["written"] == msgpack.unpackb(f.read(), raw=False)["created"]
+    text = run("ls", run_dir, check_rc=0).stdout.splitlines()
+    assert text[0].split() == ["STEP", "STATE", "SIZE", "FILES", "WRITTEN", "PATH"]
+    assert text[1].split()[:2] == ["1", "committed"] and text[3].split()[:2] == ["3", "uncommitted"]
+    assert str(rows[1]["files"]) in text[2].split()
+    one = json.loads(run("ls", run_dir / "step_00000002", "--json", check_rc=0).stdout)
+    assert [(r["step"], r["state"]) for r in one] == [(2, "committed")]
+
+
+def test_inspect_shows_tree_shapes_dtypes_shardings_chunks_and_bytes(run_dir):
+    path = run_dir / "step_00000002"
+    doc = json.loads(run("inspect", path, "--json", check_rc=0).stdout)
+    leaves = {l["path"]: l for l in doc["leaves"]}
+    md = ckpt.metadata(path)
+    w = leaves["params/w"]
+    assert (w["shape"], w["dtype"], w["chunk_shape"], w["chunks"], w["nbytes"]) == ([64, 32], "float32", [32, 8], 8, 8192)
+    assert w["mesh"] == {"axis_names": ["data", "model"], "axis_sizes": [2, 4]}
+    assert w["partition_spec"] == ["data", "model"] and w["storage"] == "zarr"
+    for name, meta in [("params/w", md["params"]["w"]), ("params/b", md["params"]["b"]), ("opt/mu", md["opt"]["mu"])]:
+        leaf = leaves[name]
+        assert tuple(leaf["shape"]) == meta.shape and leaf["dtype"] == str(meta.dtype) and leaf["nbytes"] == meta.nbytes
+        assert leaf["chunk_shape"] == (list(meta.chunk_shape) if meta.chunk_shape else None)
+    assert leaves["step"]["value"] == 2 and leaves["tag"]["value"] == "run-1"
+    assert leaves["params/b"]["storage"] == "inline" and leaves["params/b"]["partition_spec"] == ["model"]
+    arrays = [l for l in doc["leaves"] if "nbytes" in l]
+    assert doc["totals"]["bytes"] == sum(l["nbytes"] for l in arrays) == 8192 * 2 + 128 + 4
+    assert doc["totals"]["chunks"] == 16 and doc["user_metadata"] == {"loss": 0.5}
+
+    text = run("inspect", path, check_rc=0).stdout
+    w_line = next(line for line in text.splitlines() if line.strip().startswith("w "))
+    for cell in ["float32", "[64,32]", "data=2,model=4", "P('data', 'model')", "[32,8]", "8", "8.00 KiB", "zarr"]:
+        assert cell in w_line, (cell, w_line)
+    assert "params/" in text and "step" in text and "= 2" in text and "total: 6 leaves" in text
+    # A manager directory means its latest committed step, announced on stderr.
+    p = run("inspect", run_dir, "--json", check_rc=0)
+    assert json.loads(p.stdout)["path"] == str(path) and "step 2" in p.stderr
+
+
+def test_verify_intact_checkpoint_exits_zero(run_dir):
+    p = run("verify", run_dir / "step_00000001", check_rc=0)
+    assert "read 16 chunks of 2 arrays" in p.stdout and "result: intact" in p.stdout
+    assert "\r" not in p.stderr  # no progress bar when stderr is not a terminal
+
+
+def test_verify_names_a_single_flipped_byte(step2_copy):
+    chunk = step2_copy / "params" / "w" / "c" / "1" / "2"
+    data = bytearray(chunk.read_bytes())
+    data[517] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    p = run("verify", step2_copy, check_rc=1)
+    bad = [line for line in p.stdout.splitlines() if line.startswith("BAD ")]
+    assert bad == [f"BAD leaf 'params/w', chunk [1, 2] ({chunk}): checksum mismatch: "
+                   + bad[0].split("checksum mismatch: ")[1]]
+    assert "1 bad chunk(s)" in p.stdout
+
+
+def test_verify_names_every_bad_chunk_and_keeps_going(step2_copy):
+    flipped = step2_copy / "opt" / "mu" / "c" / "0" / "0"
+    truncated = step2_copy / "params" / "w" / "c" / "0" / "3"
+    missing = step2_copy / "params" / "w" / "c" / "1" / "1"
+    data = bytearray(flipped.read_bytes())
+    data[0] ^= 0x80
+    flipped.write_bytes(bytes(data))
+    truncated.write_bytes(truncated.read_bytes()[:300])
+    missing.unlink()
+    array_meta = step2_copy / "opt" / "mu" / "zarr.json"
+    array_meta.unlink()
+    p = run("verify", step2_copy, check_rc=1)
+    bad = [line for line in p.stdout.splitlines() if line.startswith("BAD ")]
+    assert len(bad) == 4, p.stdout
+    # Array metadata first, then chunks in manifest (leaf, then row-major chunk) order.
+    assert bad[0] == f"BAD leaf 'opt/mu' ({array_meta}): zarr.json is missing"
+    assert bad[1].startswith(f"BAD leaf 'opt/mu', chunk [0, 0] ({flipped}): checksum mismatch")
+    assert bad[2] == f"BAD leaf 'params/w', chunk [0, 3] ({truncated}): file is truncated: 300 of 1024 bytes"
+    assert bad[3] == f"BAD leaf 'params/w', chunk [1, 1] ({missing}): file is missing"
+    assert "read 16 chunks" in p.stdout
+    assert "DAMAGED, 3 bad chunk(s) and 1 bad array metadata file(s) in 2 array(s)" in p.stdout
+
+
+def test_verify_shows_a_progress_bar_on_a_terminal(run_dir):
+    import pty
+
+    master, slave = pty.openpty()
+    try:
+        p = subprocess.run([*CKPT, "verify", str(run_dir / "step_00000001")], stdout=subprocess.PIPE,
+                           stderr=slave, text=True, timeout=120)
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                block = os.read(master, 4096)
+            except OSError:  # EIO: the other side is closed and drained
+                break
+            if not block:
+                break
+            chunks.append(block)
+    finally:
+        os.close(master)
+    err = b"".join(chunks).decode()
+    assert p.returncode == 0
+    assert "\rverify [" in err and "100%" in err and "16.00 KiB / 16.00 KiB" in err and "/s" in err
+
+
+def test_diff_two_steps_of_a_training_run(run_dir):
+    a, b = run_dir / "step_00000001", run_dir / "step_00000002"
+    p = run("diff", a, b, "--json", check_rc=1)
+    doc = json.loads(p.stdout)
+    arrays = {d["path"]: d for d in doc["arrays"]}
+    w1, w2 = W - 0.125, W - 0.25
+    assert arrays["params/w"]["equal"] is False
+    assert arrays["params/w"]["max_abs_diff"] == float(np.max(np.abs(w1 - w2))) == 0.125
+    assert arrays["params/w"]["differing"] == int(np.sum(w1 != w2)) == 64 * 32
+    assert arrays["opt/mu"]["equal"] is True and arrays["params/b"]["equal"] is True
+    assert arrays["opt/count"] == {"path": "opt/count", "equal": False, "elements": 1, "differing": 1, "max_abs_diff": 1.0}
+    values = {v["path"]: v for v in doc["values"]}
+    assert values["step"] == {"path": "step", "equal": False, "a": 1, "b": 2} and values["tag"]["equal"] is True
+    assert doc["only_in_a"] == doc["only_in_b"] == doc["shape_changed"] == doc["dtype_changed"] == []
+
+    text = run("diff", a, b, check_rc=1).stdout
+    assert "params/w   differ  max |a-b| = 0.125  (2048 of 2048 elements)" in text
+    assert "opt/mu     equal" in text and "step: 1 -> 2" in text
+    assert run("diff", b, b, check_rc=0).stdout.rstrip().endswith("0 dtype changes")
+
+
+def test_diff_reports_keys_shapes_and_dtypes_and_streams_in_small_blocks(run_dir, tmp_path):
+    other = tmp_path / "other"
+    state = _train_state(2)
+    # A dtype change (values rounded) and another chunking: (16, 32) instead of (32, 8).
+    state["params"]["w"] = jax.device_put((W - 0.25).astype(ml_dtypes.bfloat16), NamedSharding(_mesh(), P("model")))
+    state["opt"]["mu"] = jax.device_put(MU[:, :16], NamedSharding(_mesh(), P("data", "model")))  # shape
+    del state["tag"]
+    state["extra"] = np.zeros(3)
+    ckpt.save(other, state)
+    a = run_dir / "step_00000002"
+    # 256-byte blocks: every 1 KiB chunk is compared in pieces, and B's chunking differs from A's.
+    doc = json.loads(run("diff", a, other, "--json", "--block-bytes", "256", check_rc=1).stdout)
+    assert doc["only_in_a"] == ["tag"] and doc["only_in_b"] == ["extra"]
+    assert doc["shape_changed"] == [{"path": "opt/mu", "a": [64, 32], "b": [64, 16]}]
+    assert doc["dtype_changed"] == [{"path": "params/w", "a": "float32", "b": "bfloat16"}]
+    w = {d["path"]: d for d in doc["arrays"]}["params/w"]
+    rounded = (W - 0.25).astype(ml_dtypes.bfloat16).astype(np.float64)
+    assert w["differing"] == int(np.sum(rounded != W - 0.25)) > 0
+    assert w["max_abs_diff"] == float(np.max(np.abs(rounded - (W - 0.25))))
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2), (1, 8)])
+def test_plan_matches_the_bytes_a_real_restore_reads(run_dir, shape):
+    path = run_dir / "step_00000002"
+    mesh = _mesh(shape)
+    _, stats = restore_with_stats(path, mesh=mesh)
+    doc = json.loads(run("plan", path, "--mesh", f"data={shape[0]},model={shape[1]}", "--json", check_rc=0).stdout)
+    total = doc["total"]
+    assert (total["bytes_read"], total["bytes_needed"], total["chunks_read"]) == (
+        stats.bytes_read, stats.bytes_needed, stats.chunks_read)
+    per_leaf = {l["path"]: (l["bytes_read"], l["bytes_needed"]) for l in doc["per_leaf"]}
+    assert per_leaf == {k: tuple(v) for k, v in stats.per_leaf.items()}
+    assert doc["per_process"] == [{"process": 0, **total}]
+
+
+def test_plan_splits_reads_over_processes_in_contiguous_device_blocks(run_dir):
+    # 8 processes of one device on data=8,model=1: each device needs 8 rows of w and mu (1 KiB),
+    # which lie in 4 chunks of (32, 8) (4 KiB); b (inline, replicated) is needed whole (128 B).
+    path = run_dir / "step_00000002"
+    doc = json.loads(run("plan", path, "--mesh", "data=8,model=1", "--processes", "8", "--json", check_rc=0).stdout)
+    for p in doc["per_process"]:
+        assert (p["bytes_read"], p["chunks_read"], p["bytes_needed"]) == (2 * 4096, 8, 2 * 1024 + 128 + 4)
+        assert p["read_amplification"] == 4.0
+    text = run("plan", path, "--mesh", "data=8,model=1", "--processes", "8", check_rc=0).stdout
+    assert "in 8 process(es) of 1 devices" in text and "4.00x" in text
+
+
+def test_plan_names_every_leaf_that_cannot_be_placed(run_dir):
+    path = run_dir / "step_00000002"
+    p = run("plan", path, "--mesh", "data=3,model=4", check_rc=1)
+    assert "cannot be placed (2):" in p.stdout
+    assert "params/w: dimension 0 of size 64 cannot be split over mesh axis data of size 3" in p.stdout
+    assert "opt/mu: dimension 0 of size 64" in p.stdout
+    p = run("plan", path, "--mesh", "rows=8", "--json", check_rc=1)
+    why = {u["path"]: u["why"] for u in json.loads(p.stdout)["unplaceable"]}
+    assert set(why) == {"params/w", "params/b", "opt/mu"}
+    assert why["params/b"] == "saved PartitionSpec uses mesh axis 'model', which the mesh ('rows',) does not have"
+
+
+def _write(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+@pytest.mark.parametrize("case", ["missing", "not_checkpoint", "garbage_manifest", "truncated_manifest",
+                                  "bad_field", "uncommitted", "newer_version", "bad_mesh", "file"])
+def test_expected_errors_print_one_line_and_exit_2(run_dir, step2_copy, tmp_path, case):
+    manifest = step2_copy / "manifest.msgpack"
+    if case == "missing":
+        args, words = ["inspect", tmp_path / "nope"], "no such file or directory"
+    elif case == "not_checkpoint":
+        (tmp_path / "empty").mkdir()
+        args, words = ["verify", tmp_path / "empty"], "not a committed checkpoint"
+    elif case == "garbage_manifest":
+        _write(manifest, b"\xc1\xc1 not msgpack")
+        args, words = ["inspect", step2_copy], "manifest is corrupted"
+    elif case == "truncated_manifest":
+        _write(manifest, manifest.read_bytes()[:200])
+        args, words = ["verify", step2_copy], "manifest is corrupted"
+    elif case == "bad_field":
+        m = msgpack.unpackb(manifest.read_bytes(), raw=False)
+        next(l for l in m["leaves"] if l["path"] == "params/w")["storage"]["chunk_checksums"].pop()
+        _write(manifest, msgpack.packb(m, use_bin_type=True))
+        args, words = ["plan", step2_copy, "--mesh", "data=2"], "('params/w'): chunk_checksums has 7 entries, expected 8"
+    elif case == "uncommitted":
+        args, words = ["diff", run_dir / "step_00000002", run_dir / "step_00000003.tmp-0123456789ab"], "never committed"
+    elif case == "newer_version":
+        m = msgpack.unpackb(manifest.read_bytes(), raw=False)
+        m["format_version"] = 99
+        _write(manifest, msgpack.packb(m, use_bin_type=True))
+        args, words = ["inspect", step2_copy], "format_version 99 is newer than this jax-ckpt reads"
+    elif case == "bad_mesh":
+        args, words = ["plan", step2_copy, "--mesh", "data:2"], "bad mesh 'data:2'"
+    else:
+        args, words = ["ls", manifest], "is not a directory"
+    p = run(*args)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert p.stdout == ""
+    assert len(p.stderr.splitlines()) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith(f"ckpt {args[0]}: error: ") and words in p.stderr, p.stderr
+
+
+def test_bench_forwards_its_arguments(monkeypatch):
+    import types
+
+    calls = []
+    fake = types.ModuleType("ckpt.bench")
+    fake.main = lambda argv: calls.append(argv) or 3
+    monkeypatch.setitem(sys.modules, "ckpt.bench", fake)
+    monkeypatch.setattr(ckpt, "bench", fake, raising=False)
+    assert cli_main(["bench", "--gib", "0.5", "--runs", "1"]) == 3
+    assert calls == [["--gib", "0.5", "--runs", "1"]]
+    p = run("bench", "--help", check_rc=0)  # the real module's own help
+    assert "--gib" in p.stdout and "ckpt bench" in p.stdout
