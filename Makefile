@@ -12,8 +12,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+DEMO_DIR ?= /tmp/jax-ckpt-demo
+
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
+	rm -rf $(DEMO_DIR)
+	$(PY) examples/train.py --dir $(DEMO_DIR) --steps 20
+	$(PY) examples/train.py --dir $(DEMO_DIR) --steps 40 --resume --mesh 2x4
+	$(VENV)/bin/ckpt ls $(DEMO_DIR)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

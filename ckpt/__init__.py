@@ -12,6 +12,7 @@ Public API:
 __version__ = "0.1.0"
 
 from ckpt._errors import CheckpointError, ChecksumError, TreeMismatchError
+from ckpt._manager import CheckpointManager
 from ckpt._metadata import ArrayMetadata, metadata
 from ckpt._restore import restore
 from ckpt._save import SaveHandle, save, save_async
@@ -19,6 +20,7 @@ from ckpt._save import SaveHandle, save, save_async
 __all__ = [
     "ArrayMetadata",
     "CheckpointError",
+    "CheckpointManager",
     "ChecksumError",
     "SaveHandle",
     "TreeMismatchError",

@@ -1,0 +1,363 @@
+"""CheckpointManager: one checkpoint per training step in a directory, saved in the background,
+with retention, resume and crash safety.
+
+Every step is a plain checkpoint at ``<directory>/step_<8+ digits>`` that ``ckpt.restore`` and
+``ckpt.metadata`` open directly. A step is committed once its directory exists under that name
+(the save protocol renames a finished temporary directory into place), so ``all_steps()`` is a
+directory listing; ``.tmp-`` directories are saves that never committed, or steps half-deleted,
+and the next manager removes them.
+
+Multi-process jobs: every process creates a manager on the same shared directory and calls the
+same methods in the same order. Decisions every process must agree on (``should_save``, whether
+``save`` starts a save, when a background failure is raised) depend only on that call sequence
+and on the directory as it was when the manager opened, never on timing. Only process 0
+deletes: old steps after each commit and leftover temporary directories.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import operator
+import os
+import secrets
+import threading
+import warnings
+from typing import Any, Iterator
+
+import jax
+import msgpack
+
+from ckpt._commit import TEMP_MARK, is_temp_name, read_manifest
+from ckpt._errors import CheckpointError
+from ckpt._fs import fsync_path, local_path, remove_tree
+from ckpt._restore import restore as _restore
+from ckpt._save import SaveHandle, start_save
+from ckpt._steps import scan_steps, step_dir_name
+
+# Metadata travels inside the manifest, which every restore reads whole.
+METADATA_LIMIT_BYTES = 1 << 20
+
+
+def steps_to_delete(committed: list[int], max_to_keep: int | None, keep_every_n_steps: int | None) -> list[int]:
+    """The committed steps retention removes: all but the newest `max_to_keep` and the
+    multiples of `keep_every_n_steps`. The newest step is always kept."""
+    if max_to_keep is None or not committed:
+        return []
+    ordered = sorted(set(committed))
+    keep = set(ordered[-max(max_to_keep, 1):])
+    if keep_every_n_steps:
+        keep.update(s for s in ordered if s % keep_every_n_steps == 0)
+    return [s for s in ordered if s not in keep]
+
+
+# A committed step is deleted in two parts, so that no crash can leave a half-deleted step that
+# looks committed: a rename to a temporary name (after which it is no longer a step), then the
+# removal of the files.
+
+
+def _retire_step_dir(directory: str, step: int) -> str:
+    final = os.path.join(directory, step_dir_name(step))
+    retired = f"{final}{TEMP_MARK}deleted-{secrets.token_hex(6)}"
+    os.rename(final, retired)
+    return retired
+
+
+def _remove_retired(directory: str, retired: str) -> None:
+    fsync_path(directory)  # the rename is durable before any file goes
+    remove_tree(retired)
+
+
+def _remove_leftover(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        remove_tree(path)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+def _check_count(name: str, value: int | None, *, optional: bool) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer{' or None' if optional else ''}, got {value!r}")
+    return value
+
+
+def _as_step(step: Any) -> int:
+    if isinstance(step, bool):
+        raise TypeError(f"step must be an integer, got {step!r}")
+    try:
+        value = operator.index(step)
+    except TypeError:
+        raise TypeError(f"step must be an integer, got {type(step).__name__} {step!r}") from None
+    if value < 0:
+        raise ValueError(f"step must be >= 0, got {value}")
+    return value
+
+
+def _snapshot_metadata(step: int, metadata: dict | None) -> dict | None:
+    """A private copy of `metadata` as it will be stored, or a clear error naming the key."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        raise TypeError(f"metadata for step {step} must be a dict, got {type(metadata).__name__}")
+    for key, value in metadata.items():
+        if not isinstance(key, str):
+            raise CheckpointError(f"metadata for step {step}: key {key!r} is not a string")
+        try:
+            msgpack.packb(value, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise CheckpointError(
+                f"metadata for step {step}: value of {key!r} ({type(value).__name__}) cannot be stored: {e}; "
+                "use None, bool, int, float, str, bytes, lists and dicts (convert numpy/jax scalars with float() or int())"
+            ) from None
+    packed = msgpack.packb(metadata, use_bin_type=True)
+    if len(packed) > METADATA_LIMIT_BYTES:
+        raise CheckpointError(
+            f"metadata for step {step} is {len(packed)} bytes; the limit is {METADATA_LIMIT_BYTES}: "
+            "save large values as leaves of the tree instead"
+        )
+    return msgpack.unpackb(packed, raw=False, strict_map_key=False)
+
+
+class _Pending:
+    """A save this manager started; a finisher thread records its outcome."""
+
+    def __init__(self, step: int, path: str, handle: SaveHandle) -> None:
+        self.step, self.path, self.handle = step, path, handle
+        self.finished = threading.Event()
+        self.error: BaseException | None = None
+
+
+class CheckpointManager:
+    """Saves a training run's steps under `directory`, each a checkpoint of its own.
+
+    - ``max_to_keep``: after each commit, keep only the newest this many steps (None: keep all)
+      plus every step divisible by ``keep_every_n_steps``. The newest committed step is never
+      deleted, and deletion runs in the background.
+    - ``save_interval_steps``: ``should_save(step)`` is True for multiples of it.
+    - ``async_save``: ``save`` returns once the state is copied to host memory (the arrays may
+      then be donated); with False it returns once the step is committed.
+
+    Opening a manager removes (in the background, on process 0) temporary directories left by
+    saves that never committed. One manager per directory per job; its methods are meant to be
+    called from one thread.
+    """
+
+    def __init__(self, directory, *, max_to_keep: int | None = None, keep_every_n_steps: int | None = None,
+                 save_interval_steps: int = 1, async_save: bool = True) -> None:
+        self.directory = local_path(directory)
+        self.max_to_keep = _check_count("max_to_keep", max_to_keep, optional=True)
+        self.keep_every_n_steps = _check_count("keep_every_n_steps", keep_every_n_steps, optional=True)
+        self.save_interval_steps = _check_count("save_interval_steps", save_interval_steps, optional=False)
+        self.async_save = bool(async_save)
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise NotADirectoryError(errno.ENOTDIR, "checkpoint manager directory is not a directory", self.directory)
+        os.makedirs(self.directory, exist_ok=True)
+        self._deletes = jax.process_index() == 0
+        self._closed = False
+        self._pending: _Pending | None = None
+        self._threads: list[threading.Thread] = []
+        self._background_lock = threading.Lock()  # one deleter at a time
+        self._pin_lock = threading.Lock()
+        self._pinned: dict[int, int] = {}  # step -> restores/metadata reads in progress
+        entries = scan_steps(self.directory)
+        # Steps saved, or being saved, as far as this manager knows. Deliberately not re-listed
+        # later: every process of a job must make the same decisions.
+        self._known_steps = {e.step for e in entries if e.committed}
+        self._last_step = max(self._known_steps, default=None)
+        leftovers = [e.path for e in entries if is_temp_name(os.path.basename(e.path))]
+        if self._deletes and leftovers:
+            self._start_background(self._remove_leftovers, leftovers, name="ckpt-manager-cleanup")
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, sorted."""
+        return [e.step for e in scan_steps(self.directory) if e.committed]
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None when there is none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def should_save(self, step: int) -> bool:
+        """True when `step` is a multiple of save_interval_steps and newer than every step
+        already saved (or being saved) here."""
+        step = _as_step(step)
+        if self._last_step is not None and step <= self._last_step:
+            return False
+        return step % self.save_interval_steps == 0
+
+    def reached_preemption(self, step: int) -> bool:
+        """True when JAX's preemption sync point says every process reached `step` after a
+        preemption notice: save it with ``save(step, force=True)`` and stop. False when the
+        preemption service is not running (e.g. without jax.distributed)."""
+        from jax.experimental import multihost_utils
+
+        try:
+            return bool(multihost_utils.reached_preemption_sync_point(_as_step(step)))
+        except RuntimeError:  # no preemption sync manager in this job
+            return False
+
+    def step_path(self, step: int) -> str:
+        """The directory of `step` (committed or not)."""
+        return os.path.join(self.directory, step_dir_name(_as_step(step)))
+
+    # ---- save ----------------------------------------------------------------------------
+
+    def save(self, step: int, tree: Any, *, force: bool = False, metadata: dict | None = None) -> bool:
+        """Save `tree` as `step` if ``should_save(step)`` or `force`; return whether a save
+        started. A step already saved (or being saved) here is never saved again.
+
+        Waits for the previous save to commit first, and raises CheckpointError if it failed.
+        `metadata`: a small msgpack-able dict (metrics, data-loader position) stored with the
+        step; ``metadata(step)`` returns it (tuples come back as lists).
+        """
+        self._check_open()
+        step = _as_step(step)
+        if not (force or self.should_save(step)) or step in self._known_steps:
+            return False
+        stored = _snapshot_metadata(step, metadata)
+        self._finish_pending()
+        path = self.step_path(step)
+        handle = start_save(path, tree, user_metadata=stored)
+        pending = _Pending(step, path, handle)
+        self._pending = pending
+        self._known_steps.add(step)
+        self._last_step = step if self._last_step is None else max(self._last_step, step)
+        self._start_background(self._finish_save, pending, name=f"ckpt-manager-step-{step}")
+        if not self.async_save:
+            self._finish_pending()
+        return True
+
+    def wait(self) -> None:
+        """Block until the save in flight has committed and background deletions are done;
+        raise CheckpointError if the save failed. (On processes other than 0, deletions
+        process 0 makes may still be under way.)"""
+        self._finish_pending()
+        while self._threads:
+            self._threads.pop(0).join()
+
+    def close(self) -> None:
+        """Wait for everything in the background, then refuse further saves."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except BaseException as close_error:  # the exception already in flight matters more
+            exc.add_note(f"also, closing the checkpoint manager failed: {close_error!r}")
+
+    # ---- restore -------------------------------------------------------------------------
+
+    def restore(self, step: int | None = None, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
+                partial: bool = False) -> Any:
+        """``ckpt.restore`` of `step` (default: the latest committed step)."""
+        with self._pinned_step(step) as path:
+            return _restore(path, target, mesh=mesh, partial=partial)
+
+    def metadata(self, step: int | None = None) -> dict:
+        """The metadata dict saved with `step` (default: the latest); {} when none was given."""
+        with self._pinned_step(step) as path:
+            stored = read_manifest(path).user_metadata
+        return {} if stored is None else stored
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"checkpoint manager for {self.directory} is closed")
+
+    def _start_background(self, target, *args, name: str) -> None:
+        self._threads = [t for t in self._threads if t.is_alive()]
+        # Not a daemon: an interpreter that exits without close() still commits and cleans up.
+        thread = threading.Thread(target=target, args=args, name=name)
+        thread.start()
+        self._threads.append(thread)
+
+    def _finish_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        pending.finished.wait()
+        if pending.error is not None:
+            self._known_steps.discard(pending.step)
+            self._last_step = max(self._known_steps, default=None)
+            raise CheckpointError(
+                f"saving step {pending.step} to {pending.path} failed in the background; "
+                f"the step was not committed: {type(pending.error).__name__}: {pending.error}"
+            ) from pending.error
+
+    def _finish_save(self, pending: _Pending) -> None:
+        try:
+            pending.handle.wait()
+        except BaseException as e:  # raised to the caller by _finish_pending
+            pending.error = e
+        finally:
+            pending.finished.set()
+        if pending.error is None and self._deletes and self.max_to_keep is not None:
+            with self._background_lock:
+                self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        committed = self.all_steps()
+        for step in steps_to_delete(committed, self.max_to_keep, self.keep_every_n_steps):
+            try:
+                with self._pin_lock:  # held only for the rename: restores wait for nothing slow
+                    if self._pinned.get(step):
+                        continue  # being read; a later commit deletes it
+                    retired = _retire_step_dir(self.directory, step)
+                _remove_retired(self.directory, retired)
+            except OSError as e:
+                # Left in place (still committed and whole); the next commit retries.
+                warnings.warn(f"checkpoint manager could not delete step {step} in {self.directory}: {e}",
+                              RuntimeWarning, stacklevel=1)
+
+    def _remove_leftovers(self, paths: list[str]) -> None:
+        with self._background_lock:
+            for path in paths:
+                try:
+                    _remove_leftover(path)
+                except OSError as e:
+                    warnings.warn(f"checkpoint manager could not remove {path}: {e}", RuntimeWarning, stacklevel=1)
+
+    @contextlib.contextmanager
+    def _pinned_step(self, step: int | None) -> Iterator[str]:
+        """The path of a committed step, which retention leaves alone until the block ends."""
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(errno.ENOENT, "no committed checkpoint in this directory", self.directory)
+        step = _as_step(step)
+        with self._pin_lock:
+            self._pinned[step] = self._pinned.get(step, 0) + 1
+        try:
+            path = self.step_path(step)
+            if not os.path.isdir(path):
+                raise FileNotFoundError(
+                    errno.ENOENT, f"step {step} is not a committed checkpoint here (committed steps: {self.all_steps()})", path
+                )
+            yield path
+        finally:
+            with self._pin_lock:
+                self._pinned[step] -= 1
+                if not self._pinned[step]:
+                    del self._pinned[step]
+
+    def __repr__(self) -> str:
+        return (f"CheckpointManager({self.directory!r}, max_to_keep={self.max_to_keep}, "
+                f"keep_every_n_steps={self.keep_every_n_steps}, save_interval_steps={self.save_interval_steps}, "
+                f"async_save={self.async_save})")

@@ -1,0 +1,179 @@
+"""save_async: host copies owned before it returns (donation safety), SaveHandle.wait/done,
+background failures with their traceback, and the bound on bytes in flight to storage."""
+
+import os
+import threading
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import ckpt
+import ckpt._save
+from ckpt._storage import TensorStoreEngine
+
+
+class WriteGate:
+    """Holds every chunk write of the storage engine until the test releases it."""
+
+    def __init__(self, monkeypatch):
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        real_write = TensorStoreEngine.write
+
+        def gated_write(engine, handle, box, data):
+            self.entered.set()
+            if not self.release.wait(60):
+                raise TimeoutError("the test never released the write gate")
+            return real_write(engine, handle, box, data)
+
+        monkeypatch.setattr(TensorStoreEngine, "write", gated_write)
+
+
+def _mesh():
+    return Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+
+
+def _tree(mesh):
+    rng = np.random.default_rng(0)
+    host = {
+        "w": rng.standard_normal((64, 32)).astype(np.float32),
+        "b": rng.standard_normal((2048,)).astype(np.float32),
+        "m": rng.integers(0, 1000, (16, 128)).astype(np.int32),
+    }
+    specs = {"w": P("data", "model"), "b": P("model"), "m": P()}
+    # Fresh device buffers (device_put of host arrays may alias them on CPU).
+    arrays = {k: jax.device_put(jnp.array(v, copy=True), NamedSharding(mesh, specs[k])) for k, v in host.items()}
+    return host, arrays
+
+
+def _buffer_pointers(tree):
+    return {k: sorted(s.data.unsafe_buffer_pointer() for s in v.addressable_shards) for k, v in tree.items()}
+
+
+def test_donation_after_save_async_keeps_saved_values(tmp_path, monkeypatch):
+    mesh = _mesh()
+    expected, arrays = _tree(mesh)
+    gate = WriteGate(monkeypatch)
+    before = _buffer_pointers(arrays)
+
+    handle = ckpt.save_async(tmp_path / "ck", arrays)
+    assert gate.entered.wait(30)
+    assert not handle.done()  # nothing is written yet: the gate holds the first chunk
+
+    step = jax.jit(lambda t: jax.tree.map(lambda x: x * 0 - 7, t), donate_argnums=0)
+    updated = step(arrays)
+    jax.block_until_ready(updated)
+    assert all(v.is_deleted() for v in arrays.values())
+    # The step wrote into the very buffers the save was given.
+    assert _buffer_pointers(updated) == before
+    assert all(np.all(np.asarray(v) == -7) for v in updated.values())
+    for v in updated.values():
+        v.delete()
+
+    gate.release.set()
+    handle.wait(timeout=60)
+    assert handle.done()
+    restored = ckpt.restore(tmp_path / "ck")
+    assert restored.keys() == expected.keys()
+    for k in expected:
+        assert restored[k].dtype == expected[k].dtype
+        assert np.array_equal(restored[k], expected[k]), k
+
+
+def test_wait_timeout_and_done(tmp_path, monkeypatch):
+    mesh = _mesh()
+    expected, arrays = _tree(mesh)
+    gate = WriteGate(monkeypatch)
+    handle = ckpt.save_async(tmp_path / "ck", arrays)
+    assert gate.entered.wait(30)
+    with pytest.raises(TimeoutError, match="still running"):
+        handle.wait(timeout=0.05)
+    assert not handle.done()
+    assert not (tmp_path / "ck").exists()  # not committed while writes are held
+    gate.release.set()
+    handle.wait()
+    assert handle.done()
+    restored = ckpt.restore(tmp_path / "ck")
+    for k in expected:
+        assert np.array_equal(restored[k], expected[k]), k
+
+
+def test_background_failure_reraised_with_traceback(tmp_path, monkeypatch):
+    _, arrays = _tree(_mesh())
+
+    def failing_chunk_write(engine, handle, box, data):
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(TensorStoreEngine, "write", failing_chunk_write)
+    handle = ckpt.save_async(tmp_path / "ck", arrays)  # the failure happens in the background
+    with pytest.raises(OSError, match="injected") as info:
+        handle.wait(timeout=60)
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "failing_chunk_write" in frames
+    assert handle.done()
+    assert os.listdir(tmp_path) == []  # no checkpoint, no temporary directory
+
+
+def test_save_blocks_until_committed_and_raises(tmp_path, monkeypatch):
+    mesh = _mesh()
+    expected, arrays = _tree(mesh)
+    ckpt.save(tmp_path / "ok", arrays)
+    restored = ckpt.restore(tmp_path / "ok")
+    for k in expected:
+        assert np.array_equal(restored[k], expected[k]), k
+
+    def failing_chunk_write(engine, handle, box, data):
+        raise OSError(5, "Input/output error (injected)")
+
+    monkeypatch.setattr(TensorStoreEngine, "write", failing_chunk_write)
+    with pytest.raises(OSError, match="injected"):
+        ckpt.save(tmp_path / "bad", arrays)
+    assert sorted(os.listdir(tmp_path)) == ["ok"]
+
+
+@pytest.mark.parametrize("limit_chunks", [2, None])
+def test_bytes_in_flight_are_bounded(tmp_path, monkeypatch, limit_chunks):
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    host = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
+    array = jax.device_put(host, NamedSharding(mesh, P("x", None)))
+    chunk_bytes = host.nbytes // 8
+    limit = chunk_bytes * limit_chunks if limit_chunks else 1 << 40
+    monkeypatch.setattr(ckpt._save, "MAX_INFLIGHT_BYTES", limit)
+
+    lock = threading.Lock()
+    in_flight = {"bytes": 0, "peak": 0}
+    real_write = TensorStoreEngine.write
+
+    class CountedFuture:
+        """In flight from write() until the save asks for its result."""
+
+        def __init__(self, future, nbytes):
+            self.future, self.nbytes, self.counted = future, nbytes, True
+
+        def result(self):
+            out = self.future.result()
+            with lock:
+                if self.counted:
+                    in_flight["bytes"] -= self.nbytes
+                    self.counted = False
+            return out
+
+    def counted_write(engine, handle, box, data):
+        with lock:
+            in_flight["bytes"] += data.nbytes
+            in_flight["peak"] = max(in_flight["peak"], in_flight["bytes"])
+        return CountedFuture(real_write(engine, handle, box, data), data.nbytes)
+
+    monkeypatch.setattr(TensorStoreEngine, "write", counted_write)
+    ckpt.save(tmp_path / "ck", {"a": array})
+    assert in_flight["bytes"] == 0
+    if limit_chunks:
+        # At most the limit, plus the chunk just handed over.
+        assert in_flight["peak"] <= limit + chunk_bytes
+    else:
+        assert in_flight["peak"] == host.nbytes  # unbounded: all 8 chunks at once
+    assert np.array_equal(ckpt.restore(tmp_path / "ck")["a"], host)

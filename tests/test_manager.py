@@ -1,0 +1,450 @@
+"""CheckpointManager: retention, should_save, metadata, background failures, crash safety,
+and exact resume of examples/train.py on the same and on another mesh."""
+
+import glob
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import ckpt
+import ckpt._manager
+from ckpt._manager import steps_to_delete
+from ckpt._storage import TensorStoreEngine
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _load_train():
+    spec = importlib.util.spec_from_file_location("example_train", REPO / "examples" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+train = _load_train()
+
+
+def _values(step):
+    """Host values of the test tree at `step` (a large and an inline array, and a Python int)."""
+    return {
+        "w": (np.arange(64 * 32, dtype=np.float32).reshape(64, 32) + step * 1000),
+        "b": np.full((8,), step, dtype=np.int32),
+    }
+
+
+def _tree(step):
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    v = _values(step)
+    return {
+        "w": jax.device_put(v["w"], NamedSharding(mesh, P("data", "model"))),
+        "b": jax.device_put(v["b"], NamedSharding(mesh, P())),
+        "step": step,
+    }
+
+
+def _assert_step_restores(manager, step):
+    restored = manager.restore(step)
+    expected = _values(step)
+    assert restored["step"] == step
+    for k in expected:
+        assert restored[k].dtype == expected[k].dtype
+        assert np.array_equal(restored[k], expected[k]), (step, k)
+
+
+class WriteGate:
+    """Holds every chunk write of the storage engine until the test releases it."""
+
+    def __init__(self, monkeypatch):
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        real_write = TensorStoreEngine.write
+
+        def gated_write(engine, handle, box, data):
+            self.entered.set()
+            if not self.release.wait(60):
+                raise TimeoutError("the test never released the write gate")
+            return real_write(engine, handle, box, data)
+
+        monkeypatch.setattr(TensorStoreEngine, "write", gated_write)
+
+
+# ---- retention ---------------------------------------------------------------------------
+
+
+def test_steps_to_delete_policy():
+    assert steps_to_delete([1, 2, 3], None, None) == []
+    assert steps_to_delete([1, 2, 3], None, 2) == []
+    assert steps_to_delete([3, 1, 2], 1, None) == [1, 2]
+    assert steps_to_delete(list(range(1, 11)), 2, 4) == [1, 2, 3, 5, 6, 7]
+    assert steps_to_delete([5, 10, 15, 20], 3, None) == [5]
+    assert steps_to_delete([], 1, None) == []
+    assert steps_to_delete([7], 1, 100) == []  # the newest step is always kept
+
+
+def test_retention_keeps_newest_and_every_nth(tmp_path):
+    with ckpt.CheckpointManager(tmp_path, max_to_keep=2, keep_every_n_steps=4) as manager:
+        for step in range(1, 11):
+            assert manager.save(step, _tree(step))
+        manager.wait()
+        assert manager.all_steps() == [4, 8, 9, 10]
+        assert manager.latest_step() == 10
+        for step in manager.all_steps():
+            _assert_step_restores(manager, step)
+    assert sorted(os.listdir(tmp_path)) == [f"step_{s:08d}" for s in (4, 8, 9, 10)]
+
+
+def test_retention_runs_in_background(tmp_path, monkeypatch):
+    entered, release = threading.Event(), threading.Event()
+    real_remove = ckpt._manager._remove_retired
+
+    def held_remove(directory, retired):
+        entered.set()
+        if not release.wait(60):
+            raise TimeoutError("the test never released the deletion")
+        real_remove(directory, retired)
+
+    monkeypatch.setattr(ckpt._manager, "_remove_retired", held_remove)
+    manager = ckpt.CheckpointManager(tmp_path, max_to_keep=1)
+    assert manager.save(1, _tree(1))
+    assert manager.save(2, _tree(2))  # waits for step 1 to commit
+    assert entered.wait(30)  # step 2 committed; removing step 1's files is now held
+    assert manager.all_steps() == [2]  # step 1 stopped being a step before its files go
+    (retired,) = glob.glob(str(tmp_path / "step_00000001.tmp-deleted-*"))
+    # The caller is not held by the deletion: saves, queries and restores go on.
+    assert manager.save(3, _tree(3))
+    _assert_step_restores(manager, 2)
+    release.set()
+    manager.close()
+    assert manager.all_steps() == [3]
+    assert sorted(os.listdir(tmp_path)) == ["step_00000003"]
+    _assert_step_restores(manager, 3)
+
+
+def test_retention_skips_a_step_being_restored(tmp_path, monkeypatch):
+    manager = ckpt.CheckpointManager(tmp_path, max_to_keep=1, async_save=False)
+    manager.save(1, _tree(1))
+    real_restore = ckpt._manager._restore
+    during = {}
+
+    def restore_while_saving(path, *args, **kwargs):
+        # Step 2 commits while step 1 is being read: retention must leave step 1 alone.
+        manager.save(2, _tree(2))
+        manager.wait()
+        during["steps"] = manager.all_steps()
+        return real_restore(path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt._manager, "_restore", restore_while_saving)
+    restored = manager.restore(1)
+    assert during["steps"] == [1, 2]
+    assert np.array_equal(restored["w"], _values(1)["w"])
+    monkeypatch.undo()
+    manager.save(3, _tree(3))  # the next commit deletes what was skipped
+    manager.close()
+    assert manager.all_steps() == [3]
+
+
+def test_only_process_zero_deletes(tmp_path, monkeypatch):
+    leftover = tmp_path / "step_00000005.tmp-abc"
+    leftover.mkdir()
+    (leftover / "chunk").write_bytes(b"x")
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    with ckpt.CheckpointManager(tmp_path, max_to_keep=1) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, _tree(step))
+    assert manager.all_steps() == [1, 2, 3]
+    assert leftover.exists()
+    monkeypatch.undo()
+    with ckpt.CheckpointManager(tmp_path, max_to_keep=1) as manager:
+        manager.save(4, _tree(4))
+    assert manager.all_steps() == [4]
+    assert not leftover.exists()
+
+
+# ---- should_save and save ------------------------------------------------------------------
+
+
+def test_should_save_and_force(tmp_path):
+    manager = ckpt.CheckpointManager(tmp_path, save_interval_steps=3, async_save=False)
+    assert [s for s in range(10) if manager.should_save(s)] == [0, 3, 6, 9]
+    assert not manager.save(1, _tree(1))
+    assert manager.all_steps() == []
+    assert manager.save(3, _tree(3))
+    assert manager.all_steps() == [3]  # async_save=False: committed on return
+    assert not manager.should_save(3)
+    assert not manager.save(3, _tree(3), force=True)  # a step is saved once
+    assert manager.save(4, _tree(4), force=True)
+    assert not manager.should_save(3) and manager.should_save(6)
+    manager.close()
+    with pytest.raises(ckpt.CheckpointError, match="closed"):
+        manager.save(6, _tree(6))
+
+    reopened = ckpt.CheckpointManager(tmp_path, save_interval_steps=3)
+    assert not reopened.should_save(3) and reopened.should_save(6)
+    assert reopened.all_steps() == [3, 4]
+    _assert_step_restores(reopened, 3)
+    _assert_step_restores(reopened, 4)
+    reopened.close()
+
+
+def test_reached_preemption(tmp_path, monkeypatch):
+    from jax.experimental import multihost_utils
+
+    manager = ckpt.CheckpointManager(tmp_path)
+    assert manager.reached_preemption(5) is False  # no jax.distributed, no preemption service
+
+    def not_initialized(step):
+        raise RuntimeError("Preemption sync manager has not been initialized.")
+
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", not_initialized)
+    assert manager.reached_preemption(5) is False
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", lambda step: step == 7)
+    assert [s for s in range(10) if manager.reached_preemption(s)] == [7]
+    manager.close()
+
+
+def test_bad_arguments(tmp_path):
+    for kwargs in ({"max_to_keep": 0}, {"save_interval_steps": 0}, {"keep_every_n_steps": -1},
+                   {"save_interval_steps": None}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            ckpt.CheckpointManager(tmp_path, **kwargs)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        ckpt.CheckpointManager(tmp_path / "file")
+    manager = ckpt.CheckpointManager(tmp_path / "run")
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        manager.save(-1, _tree(0))
+    with pytest.raises(TypeError, match="integer"):
+        manager.should_save(1.5)
+    with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
+        manager.restore()
+    manager.save(2, _tree(2))
+    manager.wait()
+    with pytest.raises(FileNotFoundError, match=r"step 7 .*committed steps: \[2\]"):
+        manager.restore(7)
+    manager.close()
+
+
+def test_metadata_round_trip(tmp_path):
+    meta = {"loss": 0.25, "loader": {"epoch": 3, "position": [12, 7]}, "note": "warmup", "raw": b"\x00\x01",
+            "best": None, "done": False, "big": 2**62}
+    with ckpt.CheckpointManager(tmp_path) as manager:
+        assert manager.save(7, _tree(7), metadata=meta)
+        meta["loss"] = 99.0  # the manager stored a copy
+        assert manager.save(8, _tree(8))
+        manager.wait()
+        stored = manager.metadata(7)
+        assert stored == {**meta, "loss": 0.25}
+        assert manager.metadata() == {}  # the latest step (8) has none
+        with pytest.raises(ckpt.CheckpointError, match=r"'acc' \(float32\) cannot be stored"):
+            manager.save(9, _tree(9), metadata={"acc": np.float32(0.5)})
+        with pytest.raises(ckpt.CheckpointError, match="key 3 is not a string"):
+            manager.save(9, _tree(9), metadata={3: "x"})
+        assert manager.all_steps() == [7, 8] and manager.should_save(9)
+    # Each step is a checkpoint of its own.
+    path = tmp_path / "step_00000007"
+    assert ckpt.metadata(path)["w"].shape == (64, 32)
+    assert np.array_equal(ckpt.restore(path)["w"], _values(7)["w"])
+    assert ckpt.metadata(path)["step"] == 7
+
+
+# ---- failures and crashes ------------------------------------------------------------------
+
+
+def _break_temp_dir_mid_save(tmp_path, monkeypatch, manager, step):
+    """Start saving `step`, and while its writes are held, replace its temporary directory by
+    a regular file: the storage engine's real writes then fail."""
+    gate = WriteGate(monkeypatch)
+    assert manager.save(step, _tree(step))
+    assert gate.entered.wait(30)
+    (tmp_dir,) = glob.glob(str(tmp_path / f"step_{step:08d}.tmp-*"))
+    shutil.rmtree(tmp_dir)
+    Path(tmp_dir).write_bytes(b"not a directory")
+    gate.release.set()
+    return tmp_dir
+
+
+@pytest.mark.parametrize("surfaces_on", ["save", "wait", "close"])
+def test_background_failure_surfaces(tmp_path, monkeypatch, surfaces_on):
+    manager = ckpt.CheckpointManager(tmp_path, max_to_keep=1)
+    assert manager.save(1, _tree(1))
+    manager.wait()
+    tmp_dir = _break_temp_dir_mid_save(tmp_path, monkeypatch, manager, 2)
+    call = {"save": lambda: manager.save(3, _tree(3)), "wait": manager.wait, "close": manager.close}[surfaces_on]
+    with pytest.raises(ckpt.CheckpointError, match="step 2 .*failed in the background") as info:
+        call()
+    assert info.value.__cause__ is not None
+    assert manager.all_steps() == [1]
+    assert manager.latest_step() == 1
+    _assert_step_restores(manager, 1)
+    monkeypatch.undo()
+    if surfaces_on != "close":
+        # The failure was reported once; the manager goes on, and step 2 may be saved again.
+        assert manager.should_save(2)
+        assert manager.save(2, _tree(2))
+        manager.close()
+        assert manager.all_steps() == [2]
+        _assert_step_restores(manager, 2)
+    # The next manager removes what the failed save left behind.
+    assert os.path.exists(tmp_dir)
+    ckpt.CheckpointManager(tmp_path).close()
+    assert not os.path.exists(tmp_dir)
+
+
+def test_context_exit_keeps_the_body_exception(tmp_path, monkeypatch):
+    with pytest.raises(KeyError, match="from the loop") as info:
+        with ckpt.CheckpointManager(tmp_path) as manager:
+            _break_temp_dir_mid_save(tmp_path, monkeypatch, manager, 1)
+            raise KeyError("from the loop")
+    assert any("step 1" in note and "failed in the background" in note for note in info.value.__notes__)
+    assert manager.all_steps() == []
+
+
+CRASH_CHILD = textwrap.dedent("""
+    import os, sys, time
+    directory, ready, tests = sys.argv[1:4]
+    sys.path.insert(0, tests)
+    import jax
+    from test_manager import _tree
+    import ckpt
+    from ckpt._storage import TensorStoreEngine
+
+    manager = ckpt.CheckpointManager(directory)
+    manager.save(1, _tree(1))
+    manager.wait()
+
+    real_write = TensorStoreEngine.write
+    def write_then_hang(engine, handle, box, data):
+        real_write(engine, handle, box, data).result()  # part of step 2 is on disk
+        with open(ready, "w"):
+            pass
+        time.sleep(600)
+
+    TensorStoreEngine.write = write_then_hang
+    manager.save(2, _tree(2))
+    time.sleep(600)
+""")
+
+
+def test_sigkill_during_save_leaves_previous_step(tmp_path):
+    child = tmp_path / "crash_child.py"
+    child.write_text(CRASH_CHILD)
+    directory, ready = tmp_path / "run", tmp_path / "ready"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, str(child), str(directory), str(ready), str(REPO / "tests")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert proc.poll() is None, proc.communicate()[0].decode()
+            assert time.monotonic() < deadline, "the child never started saving step 2"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    (leftover,) = glob.glob(str(directory / "step_00000002.tmp-*"))
+    assert any(files for _, _, files in os.walk(leftover))  # the save really was under way
+
+    manager = ckpt.CheckpointManager(directory)
+    assert manager.all_steps() == [1]
+    assert manager.latest_step() == 1
+    _assert_step_restores(manager, 1)
+    manager.wait()
+    assert not os.path.exists(leftover)
+    assert manager.save(2, _tree(2))
+    manager.close()
+    assert manager.all_steps() == [1, 2]
+    _assert_step_restores(manager, 2)
+
+
+# ---- resume ---------------------------------------------------------------------------------
+
+
+def _host_state(state):
+    return jax.tree.map(np.asarray, state)
+
+
+def _assert_states_equal(got, want):
+    got_leaves, got_def = jax.tree.flatten(got)
+    want_leaves, want_def = jax.tree.flatten(want)
+    assert got_def == want_def
+    for g, w in zip(got_leaves, want_leaves):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert np.array_equal(np.asarray(g), np.asarray(w))
+
+
+_step_fns = {}
+
+
+def _step_fn(mesh):
+    """One jitted step per mesh for the whole module (each new jit compiles again)."""
+    if mesh not in _step_fns:
+        _step_fns[mesh] = train.make_train_step(mesh)
+    return _step_fns[mesh]
+
+
+def _reference(first_mesh, second_mesh, split, total):
+    """Host states at `split` and at `total` of a run without checkpoints that takes its
+    first `split` steps on first_mesh and the rest on second_mesh."""
+    state = train.train(None, train.init_state(first_mesh), _step_fn(first_mesh), split)
+    at_split = _host_state(state)
+    state = jax.device_put(state, train.state_shardings(second_mesh))
+    return at_split, _host_state(train.train(None, state, _step_fn(second_mesh), total))
+
+
+@pytest.mark.parametrize("resume_mesh", [(4, 2), (2, 4)])
+def test_resume_is_bit_exact(tmp_path, resume_mesh):
+    mesh_a, mesh_b = train.make_mesh((4, 2)), train.make_mesh(resume_mesh)
+    at_10, want = _reference(mesh_a, mesh_b, 10, 20)
+
+    with ckpt.CheckpointManager(tmp_path, save_interval_steps=5) as manager:
+        train.train(manager, train.init_state(mesh_a), _step_fn(mesh_a), 10)
+    with ckpt.CheckpointManager(tmp_path, save_interval_steps=5) as manager:
+        assert manager.all_steps() == [0, 5, 10]
+        assert manager.metadata()["next_batch"] == 10
+        state = train.restore_state(manager, mesh_b)
+        _assert_states_equal(_host_state(state), at_10)
+        assert state["params"]["layer1"]["w"].sharding == train.state_shardings(mesh_b)["params"]["layer1"]["w"]
+        got = train.train(manager, state, _step_fn(mesh_b), 20)
+        _assert_states_equal(_host_state(got), want)
+        manager.wait()
+        assert manager.all_steps() == [0, 5, 10, 15, 20]
+        _assert_states_equal(_host_state(manager.restore(20, train.state_shardings(mesh_b))), want)
+    assert not np.array_equal(want["params"]["layer1"]["w"], at_10["params"]["layer1"]["w"])
+
+
+def test_train_example_resumes_on_another_mesh(tmp_path):
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("XLA_FLAGS", None)  # the example sets up its 8 devices itself
+    script = str(REPO / "examples" / "train.py")
+    first = subprocess.run([sys.executable, script, "--dir", str(run), "--steps", "10"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stdout + first.stderr
+    second = subprocess.run([sys.executable, script, "--dir", str(run), "--steps", "20", "--resume", "--mesh", "2x4"],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "restored step 10" in second.stdout
+    assert "now on mesh {'data': 2, 'model': 4}" in second.stdout
+
+    mesh_b = train.make_mesh((2, 4))
+    _, want = _reference(train.make_mesh((4, 2)), mesh_b, 10, 20)
+    with ckpt.CheckpointManager(run) as manager:
+        assert manager.all_steps() == [10, 15, 20]
+        _assert_states_equal(_host_state(manager.restore(20, train.state_shardings(mesh_b))), want)
