@@ -11,7 +11,7 @@ from ckpt._locate import Opened, StepRow
 from ckpt._manifest import ARRAY_KINDS, FORMAT_NAME
 from ckpt._metadata import array_metadata
 from ckpt._restore import py_value
-from ckpt._tree import CUSTOM, DICT, LEAF, display_path
+from ckpt._tree import CUSTOM, LEAF, child_names, display_path
 
 
 def human_bytes(n: float) -> str:
@@ -126,12 +126,7 @@ def _tree_lines(tree: dict) -> list[tuple[int, str, int | None]]:
             out.append((depth, label, node["index"]))
             return
         children = node.get("children", [])
-        if kind == DICT:
-            names = [str(k) for k in node["keys"]]
-        elif kind == CUSTOM:
-            names = [str(k[1]) for k in node["keys"]]
-        else:
-            names = [str(i) for i in range(len(children))]
+        names = child_names(node)
         if kind == "none":
             out.append((depth, f"{label or display_path('')} = None", None))
             return

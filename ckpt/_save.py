@@ -27,7 +27,7 @@ from ckpt._manifest import (
     PY_INT, PY_STR, LeafRecord, Manifest,
 )
 from ckpt._plan import HOST, ArrayShards, plan_save
-from ckpt._staging import start_copies, take
+from ckpt._staging import POOL, start_copies, take
 from ckpt._storage import ArraySpec, engine_for
 from ckpt._tree import FlatLeaf, display_path, flatten, storage_paths
 
@@ -266,10 +266,11 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
         raise
 
     chunks: queue.Queue = queue.Queue()
+    buffers: list = []  # pooled staging buffers, returned once every write is done
     handle = SaveHandle(final, lambda: _write_and_commit(coord, save_id, final, tmp, overwrite,
-                                                         encoding, leaves, chunks, user_metadata))
+                                                         encoding, leaves, chunks, user_metadata, buffers))
     try:
-        for item in take(pending):
+        for item in take(pending, buffers):
             chunks.put(item)
     except BaseException as e:
         chunks.put(e)
@@ -296,13 +297,10 @@ def _write_chunks(tmp: str, leaves: list[_Leaf], chunks: queue.Queue, primary: b
             attrs = {"jax_ckpt": {"path": leaf.record.path, "dtype": leaf.record.dtype, "encoding": st["encoding"]}}
             specs[i] = ArraySpec(tuple(leaf.record.shape), tuple(leaf.chunk_shape),
                                  np.dtype(st["data_type"]), attrs)
-    created = []
-    if primary:
-        _write_group_metadata(tmp, leaves)
-        created = [engine.create(leaves[i].record.storage["path"], spec) for i, spec in specs.items()]
-    handles: dict[int, Any] = {}
+    handles = engine.open_write_all({i: (leaves[i].record.storage["path"], spec) for i, spec in specs.items()})
     sums: dict[int, dict[int, int]] = {}
     inflight: deque = deque()
+    created: list = []
     inflight_bytes = 0
     try:
         while True:
@@ -317,14 +315,16 @@ def _write_chunks(tmp: str, leaves: list[_Leaf], chunks: queue.Queue, primary: b
             index = chunk_index_of(w.box, leaf.chunk_shape)
             flat = flat_chunk_index(index, chunk_grid(leaf.record.shape, leaf.chunk_shape))
             sums.setdefault(w.leaf, {})[flat] = chunk_checksum(data)
-            if w.leaf not in handles:
-                handles[w.leaf] = engine.open_write(leaf.record.storage["path"], specs[w.leaf])
             inflight.append((engine.write(handles[w.leaf], w.box, data), w.nbytes))
             inflight_bytes += w.nbytes
             while inflight_bytes > MAX_INFLIGHT_BYTES and len(inflight) > 1:
                 fut, n = inflight.popleft()
                 fut.result()
                 inflight_bytes -= n
+        if primary:
+            # Metadata last: the small fsynced files then overlap the chunk writes in flight.
+            created = [engine.create(leaves[i].record.storage["path"], spec) for i, spec in specs.items()]
+            _write_group_metadata(tmp, leaves)
         for fut, _ in inflight:
             fut.result()
         for fut in created:
@@ -343,23 +343,26 @@ def _write_chunks(tmp: str, leaves: list[_Leaf], chunks: queue.Queue, primary: b
 
 def _write_and_commit(coord: Coordinator, save_id: str, final: str, tmp: str, overwrite: bool,
                       encoding: dict, leaves: list[_Leaf], chunks: queue.Queue,
-                      user_metadata: dict | None) -> None:
+                      user_metadata: dict | None, buffers: list) -> None:
     try:
-        _exchange_and_commit(coord, save_id, final, tmp, overwrite, encoding, leaves, chunks, user_metadata)
+        _exchange_and_commit(coord, save_id, final, tmp, overwrite, encoding, leaves, chunks, user_metadata,
+                             buffers)
     finally:
         coord.end_save(save_id)
 
 
 def _exchange_and_commit(coord: Coordinator, save_id: str, final: str, tmp: str, overwrite: bool,
                          encoding: dict, leaves: list[_Leaf], chunks: queue.Queue,
-                         user_metadata: dict | None) -> None:
+                         user_metadata: dict | None, buffers: list) -> None:
     primary = coord.process_index == 0
     error: BaseException | None = None
     sums: dict = {}
     try:
         sums = _write_chunks(tmp, leaves, chunks, primary)
+        POOL.give_back(buffers)  # every write is done and the copy loop has ended
     except BaseException as e:
         error = e
+    buffers.clear()
     status = msgpack.packb(
         {"error": None if error is None else f"{type(error).__name__}: {error}",
          "sums": [[leaf, flat, crc] for leaf, m in sums.items() for flat, crc in m.items()]},

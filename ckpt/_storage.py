@@ -36,7 +36,7 @@ class ArraySpec:
 
 class Engine(Protocol):
     def create(self, path: str, spec: ArraySpec) -> Any: ...
-    def open_write(self, path: str, spec: ArraySpec) -> Any: ...
+    def open_write_all(self, arrays: dict[Any, tuple[str, ArraySpec]]) -> dict[Any, Any]: ...
     def write(self, handle: Any, box: Box, data: np.ndarray) -> Any: ...
     def open_read(self, path: str) -> Any: ...
     def read(self, handle: Any, box: Box) -> Any: ...
@@ -102,6 +102,9 @@ class TensorStoreEngine:
         )
 
     def open_write(self, path: str, spec: ArraySpec):
+        return self._open_write(path, spec).result()
+
+    def _open_write(self, path: str, spec: ArraySpec):
         return ts.open(
             {
                 **self._spec(path),
@@ -112,7 +115,12 @@ class TensorStoreEngine:
             },
             assume_metadata=True,
             context=self._context,
-        ).result()
+        )
+
+    def open_write_all(self, arrays: dict[Any, tuple[str, ArraySpec]]) -> dict[Any, Any]:
+        """open_write for many arrays at once (the opens run concurrently)."""
+        futures = {k: self._open_write(path, spec) for k, (path, spec) in arrays.items()}
+        return {k: f.result() for k, f in futures.items()}
 
     def write(self, handle, box: Box, data: np.ndarray):
         # The library owns `data` and never changes it, so TensorStore may keep a reference

@@ -142,6 +142,16 @@ def unflatten(encoding: dict, values: Sequence[Any]) -> Any:
     return build(encoding)
 
 
+def child_names(node: dict) -> list[str]:
+    """Path components of an encoded node's children (as in leaf paths)."""
+    kind, children = node["kind"], node.get("children", [])
+    if kind == DICT:
+        return [str(k) for k in node["keys"]]
+    if kind == CUSTOM:
+        return [str(k[1]) for k in node["keys"]]
+    return [str(i) for i in range(len(children))]
+
+
 def leaf_components(encoding: dict) -> list[tuple[str, ...]]:
     """Key path components of every leaf of a tree encoding, by leaf index."""
     out: dict[int, tuple[str, ...]] = {}
@@ -151,14 +161,7 @@ def leaf_components(encoding: dict) -> list[tuple[str, ...]]:
         if kind == LEAF:
             out[node["index"]] = comps
             return
-        children = node.get("children", [])
-        if kind == DICT:
-            names = [str(k) for k in node["keys"]]
-        elif kind == CUSTOM:
-            names = [str(k[1]) for k in node["keys"]]
-        else:
-            names = [str(i) for i in range(len(children))]
-        for name, child in zip(names, children):
+        for name, child in zip(child_names(node), node.get("children", [])):
             walk(child, comps + (name,))
 
     walk(encoding, ())

@@ -22,6 +22,7 @@ import ckpt
 import ckpt._manager
 from ckpt._manager import steps_to_delete
 from ckpt._storage import TensorStoreEngine
+from support import WriteGate
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -61,23 +62,6 @@ def _assert_step_restores(manager, step):
     for k in expected:
         assert restored[k].dtype == expected[k].dtype
         assert np.array_equal(restored[k], expected[k]), (step, k)
-
-
-class WriteGate:
-    """Holds every chunk write of the storage engine until the test releases it."""
-
-    def __init__(self, monkeypatch):
-        self.entered = threading.Event()
-        self.release = threading.Event()
-        real_write = TensorStoreEngine.write
-
-        def gated_write(engine, handle, box, data):
-            self.entered.set()
-            if not self.release.wait(60):
-                raise TimeoutError("the test never released the write gate")
-            return real_write(engine, handle, box, data)
-
-        monkeypatch.setattr(TensorStoreEngine, "write", gated_write)
 
 
 # ---- retention ---------------------------------------------------------------------------

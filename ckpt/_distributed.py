@@ -1,0 +1,251 @@
+"""The Coordinator of a multi-process job: the jax.distributed key-value store.
+
+Every exchange of a save is a set of keys under ``jax_ckpt/<save id>/<phase>/``: an all-gather
+is one key per process, a broadcast is process 0's key. Processes poll for the keys they wait on
+(blocking reads with a short deadline, so waiting costs no CPU and ends as soon as the key
+appears); no device collectives are involved.
+
+Telling a dead process from a slow one: while a process is inside a save it bumps its own
+counter ``jax_ckpt/alive/<process>`` every few seconds. A waiter gives up on a peer when the
+peer has neither posted the awaited key nor bumped its counter for ``CKPT_TIMEOUT_S`` seconds,
+and raises a CheckpointError naming every such peer. So the timeout bounds silence, not the
+length of a save: a process that writes for ten minutes is never declared missing, one that
+was SIGKILLed is within the timeout (one stuck inside a save, in hung I/O say, still signals
+life and is waited for like a slow one). Keep ``CKPT_TIMEOUT_S`` below the
+``heartbeat_timeout_seconds`` given to ``jax.distributed.initialize``: after that jax itself
+terminates every process of a job that lost one, before ckpt can report anything.
+
+Keys are removed once every process has finished a save (the last to finish deletes the
+save's directory), so the store does not grow with the number of saves. A save that failed
+on a timeout leaves its few keys behind.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Callable
+
+from ckpt._errors import CheckpointError
+
+NAMESPACE = "jax_ckpt"
+TIMEOUT_ENV = "CKPT_TIMEOUT_S"
+# Below jax.distributed's default heartbeat timeout (100 s), so that ckpt reports a dead
+# process before jax terminates the job; long saves are fine (see the module docstring).
+DEFAULT_TIMEOUT_S = 60.0
+
+_OK, _FAILED = b"\x00", b"\x01"
+
+
+def coordination_timeout() -> float:
+    """Seconds of silence after which a peer counts as missing (CKPT_TIMEOUT_S, default 60)."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        raise CheckpointError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise CheckpointError(f"{TIMEOUT_ENV}={text!r} must be a positive number of seconds")
+    return value
+
+
+def _status(e: Exception) -> str:
+    return str(e).split(":", 1)[0].strip()
+
+
+class _SignsOfLife:
+    """Bumps this process's counter in the store while at least one save is in progress."""
+
+    def __init__(self, client, key: str):
+        self._client, self._key = client, key
+        self._active = 0
+        self._count = 0
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def enter(self) -> None:
+        with self._cond:
+            self._active += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ckpt-alive", daemon=True)
+                self._thread.start()
+
+    def exit(self) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        try:
+            timeout = coordination_timeout()
+        except CheckpointError:  # a bad setting is reported by the exchange that reads it
+            timeout = DEFAULT_TIMEOUT_S
+        interval = min(2.0, max(0.05, timeout / 6))
+        while True:
+            with self._cond:
+                if self._active == 0:
+                    self._thread = None
+                    return
+                self._count += 1
+                count = self._count
+            try:  # outside the lock: a slow store must not hold up enter() or exit()
+                self._client.key_value_set(self._key, str(count), allow_overwrite=True)
+            except Exception:  # the waiters report a lost service; nothing to add here
+                pass
+            with self._cond:
+                if self._active > 0:
+                    self._cond.wait(interval)
+
+
+class DistributedCoordinator:
+    """Coordinator over the jax.distributed client of this process."""
+
+    def __init__(self, client, process_index: int, process_count: int):
+        self._client = client
+        self.process_index, self.process_count = process_index, process_count
+        self._saves = 0
+        self._broken: set[str] = set()  # saves whose exchanges did not all complete here
+        self._lock = threading.Lock()
+        self._life = _SignsOfLife(client, self._alive_key(process_index))
+
+    # -- the Coordinator protocol ------------------------------------------------------------
+
+    def new_save_id(self) -> str:
+        # Every process calls this once per save, in the same order, so counters agree.
+        with self._lock:
+            self._saves += 1
+            save_id = str(self._saves)
+        self._life.enter()
+        return save_id
+
+    def all_gather(self, key: str, value: bytes) -> list[bytes]:
+        self._post(key, value)
+        got = self._collect(key, range(self.process_count))
+        return [got[p] for p in range(self.process_count)]
+
+    def broadcast(self, key: str, make: Callable[[], bytes]) -> bytes:
+        if self.process_index == 0:
+            try:
+                value = make()
+            except Exception as e:
+                # Tell the others at once instead of leaving them to time out.
+                self._post(key, _FAILED + f"{type(e).__name__}: {e}".encode())
+                raise
+            self._post(key, _OK + value)
+            return value
+        got = self._collect(key, [0])[0]
+        if got[:1] == _FAILED:
+            raise CheckpointError(f"process 0 failed at {self._phase(key)}: {got[1:].decode(errors='replace')}")
+        return got[1:]
+
+    def end_save(self, save_id: str) -> None:
+        self._life.exit()
+        with self._lock:
+            broken = save_id in self._broken
+            self._broken.discard(save_id)
+        if broken:
+            return
+        try:
+            finished = self._client.key_value_increment(f"{NAMESPACE}/{save_id}/finished", 1)
+            if finished == self.process_count:  # everyone has read everything of this save
+                self._client.key_value_delete(f"{NAMESPACE}/{save_id}")
+        except Exception:  # cleanup only; a lost service is reported by the next exchange
+            pass
+
+    # -- waiting -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _alive_key(process: int) -> str:
+        return f"{NAMESPACE}/alive/{process}"
+
+    @staticmethod
+    def _phase(key: str) -> str:
+        save_id, _, phase = key.partition("/")
+        return f"the {phase!r} phase of save {save_id}"
+
+    def _post(self, key: str, value: bytes) -> None:
+        try:
+            self._client.key_value_set_bytes(f"{NAMESPACE}/{key}/{self.process_index}", value)
+        except Exception as e:
+            raise self._lost(key, e) from None
+
+    def _lost(self, key: str, e: Exception) -> CheckpointError:
+        self._mark_broken(key)
+        return CheckpointError(
+            f"process {self.process_index} lost the jax.distributed coordination service (hosted by "
+            f"process 0) at {self._phase(key)}: {e}"
+        )
+
+    def _mark_broken(self, key: str) -> None:
+        with self._lock:
+            self._broken.add(key.split("/", 1)[0])
+
+    def _collect(self, key: str, processes) -> dict[int, bytes]:
+        """The values processes posted under `key`, waiting for them while they show signs of life."""
+        timeout = coordination_timeout()
+        directory = f"{NAMESPACE}/{key}/"
+        wanted = set(processes)
+        got: dict[int, bytes] = {}
+        start = time.monotonic()
+        seen_life = {p: None for p in wanted}
+        last_life = {p: start for p in wanted}
+        slice_ms = int(1000 * min(1.0, max(0.01, timeout / 5)))
+        try:
+            while True:
+                for name, value in self._client.key_value_dir_get_bytes(directory):
+                    p = int(name.rsplit("/", 1)[1])
+                    if p in wanted:
+                        got[p] = value
+                missing = sorted(wanted - got.keys())
+                if not missing:
+                    return got
+                now = time.monotonic()
+                life = dict(self._client.key_value_dir_get(f"{NAMESPACE}/alive/"))
+                for p in missing:
+                    sign = life.get(self._alive_key(p))
+                    if sign != seen_life[p]:
+                        seen_life[p], last_life[p] = sign, now
+                silent = [p for p in missing if now - last_life[p] > timeout]
+                if silent:
+                    self._mark_broken(key)
+                    raise CheckpointError(
+                        f"process(es) {silent} did not reach {self._phase(key)} and showed no sign of "
+                        f"life for {timeout:g} s ({TIMEOUT_ENV}): crashed or hung "
+                        f"(process {self.process_index} waited {now - start:.1f} s)"
+                    )
+                try:
+                    got[missing[0]] = self._client.blocking_key_value_get_bytes(
+                        f"{directory}{missing[0]}", slice_ms
+                    )
+                except Exception as e:
+                    if _status(e) != "DEADLINE_EXCEEDED":
+                        raise
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise self._lost(key, e) from None
+
+
+_coordinator: DistributedCoordinator | None = None
+_coordinator_client = None
+
+
+def distributed_coordinator() -> DistributedCoordinator:
+    """The coordinator of this process's jax.distributed job (one per client)."""
+    global _coordinator, _coordinator_client
+    import jax
+    from jax._src.distributed import global_state
+
+    client = global_state.client
+    if client is None:
+        raise CheckpointError(
+            f"jax reports {jax.process_count()} processes but jax.distributed is not initialized in "
+            "this process; ckpt coordinates multi-process saves through jax.distributed.initialize()"
+        )
+    if _coordinator is None or _coordinator_client is not client:
+        _coordinator = DistributedCoordinator(client, jax.process_index(), jax.process_count())
+        _coordinator_client = client
+    return _coordinator
