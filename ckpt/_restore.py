@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,12 +21,12 @@ from ckpt._commit import read_manifest
 from ckpt._errors import CheckpointError, ChecksumError
 from ckpt._fs import local_path
 from ckpt._layout import (
-    Box, ShardingInfo, chunk_grid, chunk_key, flat_chunk_index, full_box, index_to_box, intersect,
+    Box, ShardingInfo, box_shape, chunk_grid, chunk_key, flat_chunk_index, full_box, index_to_box, intersect,
     normalize_spec, relative, spec_axes,
 )
 from ckpt._manifest import ARRAY_KINDS, NUMPY_SCALAR, PRNG_KEY, LeafRecord
 from ckpt._plan import LeafReadPlan, batch_by_budget, plan_leaf_read
-from ckpt._storage import engine_for
+from ckpt._storage import IO_CONCURRENCY, aligned_empty, engine_for
 from ckpt._tree import display_path, leaf_components, match_target, unflatten
 
 # Host bytes of chunks read and regions assembled, not yet placed on devices (per process).
@@ -173,55 +174,54 @@ class _Reader:
     def read(self, plans: list[LeafReadPlan]) -> dict[int, dict[Box, np.ndarray]]:
         """The regions of each plan (storage dtype), every chunk read once and verified.
 
-        All chunk reads of the batch are issued before any is awaited, so they run concurrently.
+        All chunks of the batch are read concurrently on a pool as wide as the engine's I/O;
+        each is checked against its CRC-32C on the thread that read it.
         """
-        opened = {p.leaf: self.engine.open_read(self.leaves[p.leaf].storage["path"])
-                  for p in plans if self.leaves[p.leaf].storage["type"] == "zarr"}
-        reads = {}
-        for p in plans:
-            if p.leaf in opened:
-                handle = self._result(opened[p.leaf], p.leaf, None)
-                reads[p.leaf] = {c.index: self.engine.read(handle, c.box) for c in p.chunks}
-        out = {}
-        for p in plans:
-            rec = self.leaves[p.leaf]
-            self.stats.bytes_needed += p.bytes_needed
-            self.stats.per_leaf[rec.path] = (p.bytes_read if p.leaf in reads else 0, p.bytes_needed)
-            if p.leaf in reads:
-                chunks = self._chunks(rec, p, reads.pop(p.leaf))
-                out[p.leaf] = {r.box: _assemble(r.box, r.chunks, chunks, p) for r in p.regions}
-            else:
-                whole = _dtypes.to_storage(_inline_array(rec))
-                # `...` keeps a 0-d region a 0-d array (plain `whole[()]` would be a numpy scalar).
-                out[p.leaf] = {r.box: whole[relative(r.box, full_box(rec.shape)) + (...,)] for r in p.regions}
+        futures = {}
+        pool = ThreadPoolExecutor(IO_CONCURRENCY, thread_name_prefix="ckpt-read")
+        try:
+            for p in plans:
+                rec = self.leaves[p.leaf]
+                if rec.storage["type"] == "zarr":
+                    for c in p.chunks:
+                        futures[(p.leaf, c.index)] = pool.submit(self._read_chunk, rec, c)
+            out = {}
+            for p in plans:
+                rec = self.leaves[p.leaf]
+                self.stats.bytes_needed += p.bytes_needed
+                if rec.storage["type"] == "zarr":
+                    chunks = {c.index: futures.pop((p.leaf, c.index)).result() for c in p.chunks}
+                    self.stats.bytes_read += p.bytes_read
+                    self.stats.chunks_read += len(p.chunks)
+                    self.stats.per_leaf[rec.path] = (p.bytes_read, p.bytes_needed)
+                    out[p.leaf] = {r.box: _assemble(r.box, r.chunks, chunks, p) for r in p.regions}
+                else:
+                    self.stats.per_leaf[rec.path] = (0, p.bytes_needed)
+                    whole = _dtypes.to_storage(_inline_array(rec))
+                    # `...` keeps a 0-d region an array (indexing it with () would give a scalar).
+                    out[p.leaf] = {r.box: whole[relative(r.box, full_box(rec.shape)) + (...,)] for r in p.regions}
+        finally:
+            pool.shutdown(cancel_futures=True)  # after a failure, skip the reads not yet started
         return out
 
-    def _result(self, fut, leaf: int, chunk):
-        rec = self.leaves[leaf]
-        try:
-            return fut.result()
-        except Exception as e:
-            where = "" if chunk is None else f", chunk {list(chunk)} ({os.path.join(self.root, rec.storage['path'], chunk_key(chunk))})"
-            raise CheckpointError(f"leaf {display_path(rec.path)!r}{where}: cannot read: {e}") from None
-
-    def _chunks(self, rec: LeafRecord, plan: LeafReadPlan, futures: dict) -> dict:
+    def _read_chunk(self, rec: LeafRecord, c) -> np.ndarray:
         st = rec.storage
-        grid = chunk_grid(rec.shape, st["chunk_shape"])
-        chunks = {}
-        for c in plan.chunks:
-            a = self._result(futures[c.index], plan.leaf, c.index)
-            self.stats.bytes_read += c.nbytes
-            self.stats.chunks_read += 1
-            if self.verify:
-                want = st["chunk_checksums"][flat_chunk_index(c.index, grid)]
-                got = chunk_checksum(a)
-                if got != want:
-                    raise ChecksumError(
-                        display_path(rec.path), c.index, os.path.join(self.root, st["path"], chunk_key(c.index)),
-                        f"{st['checksum']} is {got:#010x}, expected {want:#010x}",
-                    )
-            chunks[c.index] = a
-        return chunks
+        file = os.path.join(self.root, st["path"], chunk_key(c.index))
+        where = f"leaf {display_path(rec.path)!r}, chunk {list(c.index)} ({file})"
+        try:
+            a = self.engine.read_chunk(st["path"], c.index, box_shape(c.box), np.dtype(st["data_type"]))
+        except FileNotFoundError:
+            raise CheckpointError(f"{where}: chunk file is missing") from None
+        except (OSError, CheckpointError) as e:
+            raise CheckpointError(f"{where}: cannot read: {e}") from None
+        if self.verify:
+            grid = chunk_grid(rec.shape, st["chunk_shape"])
+            want = st["chunk_checksums"][flat_chunk_index(c.index, grid)]
+            got = chunk_checksum(a)
+            if got != want:
+                raise ChecksumError(display_path(rec.path), c.index, file,
+                                    f"{st['checksum']} is {got:#010x}, expected {want:#010x}")
+        return a
 
     def _place(self, rec: LeafRecord, want: _Want, regions: dict[Box, np.ndarray]) -> Any:
         logical = _dtypes.dtype_from_name(rec.dtype)
@@ -245,7 +245,8 @@ def _assemble(box: Box, chunk_ids, chunks: dict, plan: LeafReadPlan) -> np.ndarr
     if len(chunk_ids) == 1 and boxes[chunk_ids[0]] == box:
         return chunks[chunk_ids[0]]
     first = chunks[chunk_ids[0]]
-    out = np.empty(tuple(b - a for a, b in box), dtype=first.dtype)
+    shape = box_shape(box)
+    out = aligned_empty(math.prod(shape) * first.dtype.itemsize).view(first.dtype).reshape(shape)
     for cid in chunk_ids:
         inter = intersect(boxes[cid], box)
         out[relative(inter, box)] = chunks[cid][relative(inter, boxes[cid])]

@@ -20,7 +20,7 @@ from ckpt import _dtypes
 from ckpt._checksum import ALGORITHM, chunk_checksum
 from ckpt._commit import Coordinator, commit_checkpoint, current_coordinator, prepare_temp_dir
 from ckpt._errors import CheckpointError
-from ckpt._fs import fsync_path, local_path, remove_tree, write_file_synced
+from ckpt._fs import local_path, remove_tree
 from ckpt._layout import chunk_grid, chunk_index_of, describe_sharding, flat_chunk_index, full_box, index_to_box
 from ckpt._manifest import (
     INLINE_LIMIT, JAX_ARRAY, NUMPY, NUMPY_SCALAR, PRNG_KEY, PY_BOOL, PY_BYTES, PY_COMPLEX, PY_FLOAT,
@@ -202,8 +202,9 @@ def _check_fingerprints(views: list[dict]) -> None:
         )
 
 
-def _write_group_metadata(tmp: str, leaves: list[_Leaf]) -> None:
-    """zarr.json for the root and every intermediate group, so stock zarr can browse the tree."""
+def _group_metadata_puts(engine, leaves: list[_Leaf]) -> list:
+    """zarr.json for the root and every intermediate group, so stock zarr can browse the tree
+    (written concurrently, each fsynced by the engine)."""
     groups = {""}
     for leaf in leaves:
         st = leaf.record.storage
@@ -211,11 +212,7 @@ def _write_group_metadata(tmp: str, leaves: list[_Leaf]) -> None:
             parts = st["path"].split("/")
             groups.update("/".join(parts[:k]) for k in range(1, len(parts)))
     body = b'{"zarr_format": 3, "node_type": "group", "attributes": {}}'
-    for g in sorted(groups, key=len, reverse=True):
-        d = os.path.join(tmp, g)
-        os.makedirs(d, exist_ok=True)
-        write_file_synced(os.path.join(d, "zarr.json"), body)
-        fsync_path(d)
+    return [engine.put(f"{g}/zarr.json" if g else "zarr.json", body) for g in sorted(groups)]
 
 
 def save_async(path, tree: Any, *, overwrite: bool = False) -> SaveHandle:
@@ -324,7 +321,7 @@ def _write_chunks(tmp: str, leaves: list[_Leaf], chunks: queue.Queue, primary: b
         if primary:
             # Metadata last: the small fsynced files then overlap the chunk writes in flight.
             created = [engine.create(leaves[i].record.storage["path"], spec) for i, spec in specs.items()]
-            _write_group_metadata(tmp, leaves)
+            created += _group_metadata_puts(engine, leaves)
         for fut, _ in inflight:
             fut.result()
         for fut in created:

@@ -4,15 +4,18 @@ An engine is bound to one checkpoint directory and sees arrays by their storage 
 The interface is four calls, each returning a future (anything with ``.result()``):
 
     create(path, spec)        write the array's zarr.json (done once, by the primary process)
-    open_write(path, spec)    a handle to write chunks into, without touching storage
+    put(key, data)            write a small file (group metadata)
+    open_write_all(arrays)    handles to write chunks into, without touching storage
     write(handle, box, data)  write one whole chunk
-    open_read(path) / read(handle, box)
+    read_chunk(path, index, shape, dtype)  one whole chunk (blocking; callers run it on threads)
+    open_read(path) / read(handle, box)    any region (used to compare differently chunked arrays)
 
 Chunks are always whole (a chunk is a saved shard), so no write reads or locks anything.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -20,7 +23,8 @@ from typing import Any, Protocol
 import numpy as np
 import tensorstore as ts
 
-from ckpt._layout import Box, box_to_index
+from ckpt._errors import CheckpointError
+from ckpt._layout import Box, box_to_index, chunk_key
 
 # Width of the engine's file I/O; the benchmark's raw-disk baseline uses the same.
 IO_CONCURRENCY = max(8, 2 * (os.cpu_count() or 1))
@@ -36,10 +40,20 @@ class ArraySpec:
 
 class Engine(Protocol):
     def create(self, path: str, spec: ArraySpec) -> Any: ...
+    def put(self, key: str, data: bytes) -> Any: ...
     def open_write_all(self, arrays: dict[Any, tuple[str, ArraySpec]]) -> dict[Any, Any]: ...
     def write(self, handle: Any, box: Box, data: np.ndarray) -> Any: ...
+    def read_chunk(self, path: str, index: tuple[int, ...], shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray: ...
     def open_read(self, path: str) -> Any: ...
     def read(self, handle: Any, box: Box) -> Any: ...
+
+
+def aligned_empty(nbytes: int, alignment: int = 64) -> np.ndarray:
+    """An uninitialised uint8 buffer whose data starts on an `alignment`-byte boundary
+    (XLA's CPU client adopts such host buffers without copying them)."""
+    raw = np.empty(nbytes + alignment, np.uint8)
+    offset = -raw.ctypes.data % alignment
+    return raw[offset : offset + nbytes]
 
 
 def _fill_value(dtype: np.dtype):
@@ -74,6 +88,7 @@ class TensorStoreEngine:
 
     def __init__(self, root: str):
         self.root = root
+        self._kvstore = None
         if TensorStoreEngine._context is None:
             TensorStoreEngine._context = ts.Context(
                 {
@@ -101,6 +116,12 @@ class TensorStoreEngine:
             context=self._context,
         )
 
+    def put(self, key: str, data: bytes):
+        if self._kvstore is None:
+            self._kvstore = ts.KvStore.open(
+                {"driver": "file", "path": self.root + "/"}, context=self._context).result()
+        return self._kvstore.write(key, data)
+
     def open_write(self, path: str, spec: ArraySpec):
         return self._open_write(path, spec).result()
 
@@ -126,6 +147,29 @@ class TensorStoreEngine:
         # The library owns `data` and never changes it, so TensorStore may keep a reference
         # instead of copying it into its chunk cache.
         return handle[box_to_index(box)].write(data, can_reference_source_data_indefinitely=True)
+
+    def read_chunk(self, path: str, index: tuple[int, ...], shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """One whole chunk, read straight from its file into a 64-byte-aligned buffer.
+
+        With the ``bytes`` codec a chunk file is exactly the chunk's little-endian bytes, so this
+        is one read. The alignment lets JAX adopt the buffer as a CPU device buffer without a
+        copy (TensorStore returns 16-byte-aligned arrays, which device_put must copy).
+        Raises FileNotFoundError for a missing file, CheckpointError for a wrong size.
+        """
+        file = os.path.join(self.root, path, chunk_key(index))
+        nbytes = math.prod(shape) * dtype.itemsize
+        out = aligned_empty(nbytes)
+        view = memoryview(out)
+        with open(file, "rb", buffering=0) as f:
+            filled = 0
+            while filled < nbytes:
+                n = f.readinto(view[filled:])
+                if not n:
+                    raise CheckpointError(f"chunk file {file} is truncated: {filled} of {nbytes} bytes")
+                filled += n
+            if f.read(1):
+                raise CheckpointError(f"chunk file {file} is longer than the {nbytes} bytes of its chunk")
+        return out.view(dtype.newbyteorder("<")).reshape(shape)
 
     def open_read(self, path: str):
         return ts.open(
