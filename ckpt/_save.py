@@ -306,13 +306,17 @@ def _write_chunks(tmp: str, leaves: list[_Leaf], chunks: queue.Queue, primary: b
                 break
             if isinstance(item, BaseException):
                 raise CheckpointError("copying shards to host failed") from item
-            w, host = item
+            w, host, crc = item
             leaf = leaves[w.leaf]
             data = _dtypes.to_storage(host)
+            if data.ctypes.data != host.ctypes.data or data.nbytes != host.nbytes:
+                crc = None  # converted (e.g. int4 to int8): the copy's checksum is of other bytes
             index = chunk_index_of(w.box, leaf.chunk_shape)
             flat = flat_chunk_index(index, chunk_grid(leaf.record.shape, leaf.chunk_shape))
-            sums.setdefault(w.leaf, {})[flat] = chunk_checksum(data)
             inflight.append((engine.write(handles[w.leaf], w.box, data), w.nbytes))
+            # After submitting: the checksum is needed only at commit, and storage only reads
+            # `data`, so computing it now overlaps the write instead of delaying it.
+            sums.setdefault(w.leaf, {})[flat] = chunk_checksum(data) if crc is None else crc
             inflight_bytes += w.nbytes
             while inflight_bytes > MAX_INFLIGHT_BYTES and len(inflight) > 1:
                 fut, n = inflight.popleft()

@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
 
+from ckpt._checksum import copy_with_checksum
 from ckpt._plan import HOST, ShardWrite
+from ckpt._storage import aligned_empty
 
 
 class HostBufferPool:
@@ -39,7 +41,8 @@ class HostBufferPool:
             bucket = self._free.get(nbytes)
             if bucket:
                 return bucket.pop()
-        return np.empty(nbytes, np.uint8)
+        # Page-aligned, so that direct (O_DIRECT) writes can use the buffer without a copy.
+        return aligned_empty(nbytes, 4096)
 
     def give_back(self, buffers: list[np.ndarray]) -> None:
         """Keep `buffers` (the last save's) for the next save; drop what the pool held before."""
@@ -79,55 +82,33 @@ def start_copies(sources: dict[int, Any], writes: Sequence[ShardWrite]) -> list[
     return pending
 
 
-def owned_copy(x: Any, buffers: list[np.ndarray] | None = None) -> np.ndarray:
-    """A host array the library owns, whatever happens to `x` afterwards.
+def owned_copy(x: Any, buffers: list[np.ndarray] | None = None) -> tuple[np.ndarray, int | None]:
+    """A host array the library owns, whatever happens to `x` afterwards, and the CRC-32C of
+    its bytes when it was computed during the copy (else None).
 
     When `buffers` is given and the pool is on, the copy goes into a pooled buffer, which is
     appended to `buffers` so the save can give it back when its writes are done.
     """
     if isinstance(x, jax.Array) and x.devices().pop().platform != "cpu":
         # On accelerators np.asarray is the fresh host buffer copy_to_host_async filled.
-        return np.asarray(x)
+        return np.asarray(x), None
     # On the CPU backend np.asarray is a view of the device buffer, which donation overwrites.
     src = np.asarray(x)
     if buffers is None or not POOL.enabled or src.nbytes == 0:
-        return np.array(src, copy=True)
+        return np.array(src, copy=True), None
     buf = POOL.take(src.nbytes)
     buffers.append(buf)
     out = buf.view(src.dtype).reshape(src.shape)
-    np.copyto(out, src)
-    return out
-
-
-COPY_THREADS = int(os.environ.get("CKPT_COPY_THREADS", 2))
+    if not src.flags.c_contiguous or src.dtype.byteorder == ">":
+        np.copyto(out, src)
+        return out, None
+    return out, copy_with_checksum(out, src)
 
 
 def take(pending: list[tuple[ShardWrite, Any]], buffers: list[np.ndarray] | None = None
-         ) -> list[tuple[ShardWrite, np.ndarray]]:
-    """Owned host copies of every pending shard, in plan order.
-
-    All copies finish before any chunk is handed to storage: on a host where the copy is a
-    memcpy, overlapping it with writes makes both slower (they share memory bandwidth), and the
-    caller waits for the copies either way. The copies run on a few threads (np.copyto releases
-    the GIL).
-    """
-    if buffers is not None:
-        # Pooled buffers are taken up front, in plan order, so that threads do not race for them.
-        pass
-    if COPY_THREADS <= 1 or len(pending) < 2:
-        return [(w, owned_copy(x, buffers)) for w, x in pending]
-    from concurrent.futures import ThreadPoolExecutor
-
-    lock = threading.Lock()
-    per_item: list[list[np.ndarray]] = [[] for _ in pending]
-
-    def copy(i: int) -> np.ndarray:
-        return owned_copy(pending[i][1], per_item[i] if buffers is not None else None)
-
-    with ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="ckpt-copy") as ex:
-        copies = list(ex.map(copy, range(len(pending))))
-    if buffers is not None:
-        with lock:
-            for bufs in per_item:
-                buffers.extend(bufs)
-    return [(w, c) for (w, _), c in zip(pending, copies)]
+         ) -> Iterator[tuple[ShardWrite, np.ndarray, int | None]]:
+    """Owned host copies in plan order, each yielded as soon as it exists, so that writing a
+    chunk overlaps copying the next (storage writes bypass the page cache, so the two do not
+    compete for memory bandwidth)."""
+    for w, x in pending:
+        yield (w, *owned_copy(x, buffers))

@@ -15,6 +15,7 @@ Chunks are always whole (a chunk is a saved shard), so no write reads or locks a
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from ckpt._errors import CheckpointError
 from ckpt._layout import Box, box_to_index, chunk_key
 
 # Width of the engine's file I/O; the benchmark's raw-disk baseline uses the same.
-IO_CONCURRENCY = max(8, 2 * (os.cpu_count() or 1))
+IO_CONCURRENCY = int(os.environ.get("CKPT_IO_CONCURRENCY", max(8, 2 * (os.cpu_count() or 1))))
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,25 @@ class Engine(Protocol):
     def read_chunk(self, path: str, index: tuple[int, ...], shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray: ...
     def open_read(self, path: str) -> Any: ...
     def read(self, handle: Any, box: Box) -> Any: ...
+
+
+_PAGE = 4096
+_direct_reads: bool | None = None  # unknown until the first open
+
+
+def _open_for_read(file: str) -> int:
+    """An fd for reading `file`, with O_DIRECT unless the file system refuses it."""
+    global _direct_reads
+    if _direct_reads is not False and hasattr(os, "O_DIRECT"):
+        try:
+            fd = os.open(file, os.O_RDONLY | os.O_DIRECT)
+            _direct_reads = True
+            return fd
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            _direct_reads = False
+    return os.open(file, os.O_RDONLY)
 
 
 def aligned_empty(nbytes: int, alignment: int = 64) -> np.ndarray:
@@ -98,6 +118,11 @@ class TensorStoreEngine:
                     # directory whose rename is the atomic step: no lock files or per-chunk
                     # renames needed. Files are still fsynced (file_io_sync defaults to true).
                     "file_io_locking": {"mode": "non_atomic"},
+                    # Direct I/O: chunks go from the library's page-aligned host buffers to the
+                    # device without a page-cache copy, so writing does not compete with the
+                    # host copies of the next shards for memory bandwidth (measured: see
+                    # docs/benchmarks.md).
+                    "file_io_mode": {"mode": "direct"},
                 }
             )
 
@@ -149,27 +174,33 @@ class TensorStoreEngine:
         return handle[box_to_index(box)].write(data, can_reference_source_data_indefinitely=True)
 
     def read_chunk(self, path: str, index: tuple[int, ...], shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """One whole chunk, read straight from its file into a 64-byte-aligned buffer.
+        """One whole chunk, read straight from its file into a page-aligned buffer.
 
         With the ``bytes`` codec a chunk file is exactly the chunk's little-endian bytes, so this
-        is one read. The alignment lets JAX adopt the buffer as a CPU device buffer without a
-        copy (TensorStore returns 16-byte-aligned arrays, which device_put must copy).
+        is one read, with O_DIRECT where the file system allows it (no page-cache copy). The
+        alignment also lets JAX adopt the buffer as a CPU device buffer without a copy
+        (TensorStore returns 16-byte-aligned arrays, which device_put must copy).
         Raises FileNotFoundError for a missing file, CheckpointError for a wrong size.
         """
         file = os.path.join(self.root, path, chunk_key(index))
         nbytes = math.prod(shape) * dtype.itemsize
-        out = aligned_empty(nbytes)
-        view = memoryview(out)
-        with open(file, "rb", buffering=0) as f:
+        padded = -(-nbytes // _PAGE) * _PAGE  # direct reads want whole pages
+        buf = aligned_empty(padded + _PAGE, _PAGE)  # one page more, to see a too-long file
+        fd = _open_for_read(file)
+        try:
             filled = 0
-            while filled < nbytes:
-                n = f.readinto(view[filled:])
-                if not n:
-                    raise CheckpointError(f"chunk file {file} is truncated: {filled} of {nbytes} bytes")
+            while filled < len(buf):
+                n = os.readv(fd, [memoryview(buf)[filled:]])
+                if n == 0:
+                    break
                 filled += n
-            if f.read(1):
-                raise CheckpointError(f"chunk file {file} is longer than the {nbytes} bytes of its chunk")
-        return out.view(dtype.newbyteorder("<")).reshape(shape)
+        finally:
+            os.close(fd)
+        if filled < nbytes:
+            raise CheckpointError(f"chunk file {file} is truncated: {filled} of {nbytes} bytes")
+        if filled > nbytes:
+            raise CheckpointError(f"chunk file {file} is longer than the {nbytes} bytes of its chunk")
+        return buf[:nbytes].view(dtype.newbyteorder("<")).reshape(shape)
 
     def open_read(self, path: str):
         return ts.open(
