@@ -176,3 +176,26 @@ def test_unsupported_url_scheme(sharding):
 def test_file_url_is_accepted(tmp_path, sharding):
     ckpt.save(f"file://{tmp_path}/c", _tree(sharding))
     assert np.all(ckpt.restore(tmp_path / "c")["params"]["w"] == 1.0)
+
+
+def test_metadata_and_restore_in_a_process_with_one_device(tmp_path, sharding):
+    """A checkpoint saved on 8 devices opens in a process that has a single device."""
+    import subprocess
+    import sys
+
+    ckpt.save(tmp_path / "c", _tree(sharding, 3.0))
+    code = (
+        "import jax, numpy as np, ckpt\n"
+        "assert len(jax.devices()) == 1\n"
+        f"m = ckpt.metadata({str(tmp_path / 'c')!r})\n"
+        "w = m['params']['w']\n"
+        "assert w.shape == (32, 64) and w.mesh == {'x': 4, 'y': 2} and w.chunk_shape == (8, 32), w\n"
+        f"host = ckpt.restore({str(tmp_path / 'c')!r})\n"
+        "assert np.all(host['params']['w'] == 3.0) and host['step'] == 1\n"
+        f"one = ckpt.restore({str(tmp_path / 'c')!r}, mesh=jax.make_mesh((1, 1), ('x', 'y')))\n"
+        "assert np.all(np.asarray(one['params']['b']) == 3.0)\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
