@@ -18,19 +18,3 @@ def chunk_checksum(storage_array: np.ndarray) -> int:
     """CRC-32C of the bytes of a C-contiguous, little-endian storage array (= the chunk file)."""
     return crc32c.crc32c(np.ascontiguousarray(storage_array).reshape(-1).view(np.uint8))
 
-
-_BLOCK = 1 << 20  # small enough that a copied block is still in cache when it is checksummed
-
-
-def copy_with_checksum(dst: np.ndarray, src: np.ndarray) -> int:
-    """Copy `src` into `dst` (same shape and dtype, both C-contiguous) and return the CRC-32C
-    of the bytes, computed block by block while each block is still in cache: nearly free,
-    where a separate pass would read the whole array from memory again."""
-    d = dst.reshape(-1).view(np.uint8)
-    s = src.reshape(-1).view(np.uint8)
-    crc = 0
-    for i in range(0, d.size, _BLOCK):
-        block = d[i : i + _BLOCK]
-        np.copyto(block, s[i : i + _BLOCK])
-        crc = crc32c.crc32c(block, value=crc)
-    return crc

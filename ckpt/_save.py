@@ -32,7 +32,11 @@ from ckpt._storage import ArraySpec, engine_for
 from ckpt._tree import FlatLeaf, display_path, flatten, storage_paths
 
 # Bytes handed to the storage engine and not yet durable, per process.
-MAX_INFLIGHT_BYTES = int(os.environ.get("CKPT_MAX_INFLIGHT_BYTES", 1 << 30))
+MAX_INFLIGHT_BYTES = int(os.environ.get("CKPT_MAX_INFLIGHT_BYTES", 256 << 20))
+# The same while the caller is still making its host copies: enough to keep the disk busy,
+# little enough not to slow the copies the caller waits for (measured on 2 cores: 64 MiB kept
+# save throughput within noise of unthrottled writes and cut the worst blocking time 2.5x).
+COPYING_INFLIGHT_BYTES = 64 << 20
 
 _END = object()
 
@@ -264,18 +268,21 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
 
     chunks: queue.Queue = queue.Queue()
     buffers: list = []  # pooled staging buffers, returned once every write is done
-    handle = SaveHandle(final, lambda: _write_and_commit(coord, save_id, final, tmp, overwrite,
-                                                         encoding, leaves, chunks, user_metadata, buffers))
+    copied = threading.Event()  # set once every host copy exists
+    handle = SaveHandle(final, lambda: _write_and_commit(coord, save_id, final, tmp, overwrite, encoding,
+                                                         leaves, chunks, user_metadata, buffers, copied))
     try:
         for item in take(pending, buffers):
             chunks.put(item)
     except BaseException as e:
+        copied.set()
         chunks.put(e)
         try:
             handle.wait()  # the writer aborts and removes the temporary directory
         except BaseException:
             pass
         raise
+    copied.set()
     chunks.put(_END)
     return handle
 
@@ -285,7 +292,15 @@ def save(path, tree: Any, *, overwrite: bool = False) -> None:
     save_async(path, tree, overwrite=overwrite).wait()
 
 
-def _write_chunks(tmp: str, leaves: list[_Leaf], chunks: queue.Queue, primary: bool) -> dict:
+def _write_chunks(tmp: str, leaves: list[_Leaf], chunks: queue.Queue, primary: bool,
+                  copied: threading.Event) -> dict:
+    """Write this process's chunks as their host copies arrive; return their CRC-32Cs.
+
+    While the caller is still copying (`copied` not set), few writes go out
+    (COPYING_INFLIGHT_BYTES) and no checksum is computed: the disk starts working without
+    slowing the copies the caller waits for. Then writes go out up to MAX_INFLIGHT_BYTES and the
+    checksums are computed while they are in flight (direct I/O leaves the CPU idle meanwhile).
+    """
     engine = engine_for(tmp)
     specs = {}
     for i, leaf in enumerate(leaves):
@@ -296,9 +311,16 @@ def _write_chunks(tmp: str, leaves: list[_Leaf], chunks: queue.Queue, primary: b
                                  np.dtype(st["data_type"]), attrs)
     handles = engine.open_write_all({i: (leaves[i].record.storage["path"], spec) for i, spec in specs.items()})
     sums: dict[int, dict[int, int]] = {}
+    unsummed: list = []  # (leaf, flat chunk index, data) still to checksum
     inflight: deque = deque()
     created: list = []
     inflight_bytes = 0
+
+    def checksum_pending() -> None:
+        for leaf_index, flat, data in unsummed:
+            sums.setdefault(leaf_index, {})[flat] = chunk_checksum(data)
+        unsummed.clear()
+
     try:
         while True:
             item = chunks.get()
@@ -306,22 +328,23 @@ def _write_chunks(tmp: str, leaves: list[_Leaf], chunks: queue.Queue, primary: b
                 break
             if isinstance(item, BaseException):
                 raise CheckpointError("copying shards to host failed") from item
-            w, host, crc = item
+            w, host = item
             leaf = leaves[w.leaf]
             data = _dtypes.to_storage(host)
-            if data.ctypes.data != host.ctypes.data or data.nbytes != host.nbytes:
-                crc = None  # converted (e.g. int4 to int8): the copy's checksum is of other bytes
             index = chunk_index_of(w.box, leaf.chunk_shape)
             flat = flat_chunk_index(index, chunk_grid(leaf.record.shape, leaf.chunk_shape))
             inflight.append((engine.write(handles[w.leaf], w.box, data), w.nbytes))
-            # After submitting: the checksum is needed only at commit, and storage only reads
-            # `data`, so computing it now overlaps the write instead of delaying it.
-            sums.setdefault(w.leaf, {})[flat] = chunk_checksum(data) if crc is None else crc
             inflight_bytes += w.nbytes
-            while inflight_bytes > MAX_INFLIGHT_BYTES and len(inflight) > 1:
+            unsummed.append((w.leaf, flat, data))
+            done_copying = copied.is_set()
+            if done_copying:
+                checksum_pending()
+            limit = MAX_INFLIGHT_BYTES if done_copying else COPYING_INFLIGHT_BYTES
+            while inflight_bytes > limit and len(inflight) > 1:
                 fut, n = inflight.popleft()
                 fut.result()
                 inflight_bytes -= n
+        checksum_pending()
         if primary:
             # Metadata last: the small fsynced files then overlap the chunk writes in flight.
             created = [engine.create(leaves[i].record.storage["path"], spec) for i, spec in specs.items()]
@@ -344,22 +367,22 @@ def _write_chunks(tmp: str, leaves: list[_Leaf], chunks: queue.Queue, primary: b
 
 def _write_and_commit(coord: Coordinator, save_id: str, final: str, tmp: str, overwrite: bool,
                       encoding: dict, leaves: list[_Leaf], chunks: queue.Queue,
-                      user_metadata: dict | None, buffers: list) -> None:
+                      user_metadata: dict | None, buffers: list, copied: threading.Event) -> None:
     try:
         _exchange_and_commit(coord, save_id, final, tmp, overwrite, encoding, leaves, chunks, user_metadata,
-                             buffers)
+                             buffers, copied)
     finally:
         coord.end_save(save_id)
 
 
 def _exchange_and_commit(coord: Coordinator, save_id: str, final: str, tmp: str, overwrite: bool,
                          encoding: dict, leaves: list[_Leaf], chunks: queue.Queue,
-                         user_metadata: dict | None, buffers: list) -> None:
+                         user_metadata: dict | None, buffers: list, copied: threading.Event) -> None:
     primary = coord.process_index == 0
     error: BaseException | None = None
     sums: dict = {}
     try:
-        sums = _write_chunks(tmp, leaves, chunks, primary)
+        sums = _write_chunks(tmp, leaves, chunks, primary, copied)
         POOL.give_back(buffers)  # every write is done and the copy loop has ended
     except BaseException as e:
         error = e

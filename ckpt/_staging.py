@@ -15,7 +15,6 @@ from typing import Any, Iterator, Sequence
 import jax
 import numpy as np
 
-from ckpt._checksum import copy_with_checksum
 from ckpt._plan import HOST, ShardWrite
 from ckpt._storage import aligned_empty
 
@@ -82,33 +81,29 @@ def start_copies(sources: dict[int, Any], writes: Sequence[ShardWrite]) -> list[
     return pending
 
 
-def owned_copy(x: Any, buffers: list[np.ndarray] | None = None) -> tuple[np.ndarray, int | None]:
-    """A host array the library owns, whatever happens to `x` afterwards, and the CRC-32C of
-    its bytes when it was computed during the copy (else None).
+def owned_copy(x: Any, buffers: list[np.ndarray] | None = None) -> np.ndarray:
+    """A host array the library owns, whatever happens to `x` afterwards.
 
     When `buffers` is given and the pool is on, the copy goes into a pooled buffer, which is
     appended to `buffers` so the save can give it back when its writes are done.
     """
     if isinstance(x, jax.Array) and x.devices().pop().platform != "cpu":
         # On accelerators np.asarray is the fresh host buffer copy_to_host_async filled.
-        return np.asarray(x), None
+        return np.asarray(x)
     # On the CPU backend np.asarray is a view of the device buffer, which donation overwrites.
     src = np.asarray(x)
     if buffers is None or not POOL.enabled or src.nbytes == 0:
-        return np.array(src, copy=True), None
+        return np.array(src, copy=True)
     buf = POOL.take(src.nbytes)
     buffers.append(buf)
     out = buf.view(src.dtype).reshape(src.shape)
-    if not src.flags.c_contiguous or src.dtype.byteorder == ">":
-        np.copyto(out, src)
-        return out, None
-    return out, copy_with_checksum(out, src)
+    np.copyto(out, src)
+    return out
 
 
 def take(pending: list[tuple[ShardWrite, Any]], buffers: list[np.ndarray] | None = None
-         ) -> Iterator[tuple[ShardWrite, np.ndarray, int | None]]:
-    """Owned host copies in plan order, each yielded as soon as it exists, so that writing a
-    chunk overlaps copying the next (storage writes bypass the page cache, so the two do not
-    compete for memory bandwidth)."""
+         ) -> Iterator[tuple[ShardWrite, np.ndarray]]:
+    """Owned host copies in plan order, each yielded as soon as it exists, so that storage can
+    start on a chunk while the next is copied."""
     for w, x in pending:
-        yield (w, *owned_copy(x, buffers))
+        yield w, owned_copy(x, buffers)

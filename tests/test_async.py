@@ -159,5 +159,8 @@ def test_bytes_in_flight_are_bounded(tmp_path, monkeypatch, limit_chunks):
         # At most the limit, plus the chunk just handed over.
         assert in_flight["peak"] <= limit + chunk_bytes
     else:
-        assert in_flight["peak"] == host.nbytes  # unbounded: all 8 chunks at once
+        # Unbounded: once the host copies exist, every remaining chunk goes out at once (while
+        # the caller is still copying, the writer sends one chunk at a time; copies of these
+        # small shards finish long before the first write does).
+        assert in_flight["peak"] > 3 * chunk_bytes
     assert np.array_equal(ckpt.restore(tmp_path / "ck")["a"], host)
