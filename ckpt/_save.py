@@ -9,27 +9,23 @@ import os
 import queue
 import threading
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
-import jax
 import msgpack
 import numpy as np
 
 from ckpt import _dtypes
-from ckpt._checksum import ALGORITHM, chunk_checksum
+from ckpt._checksum import chunk_checksum
 from ckpt._commit import Coordinator, commit_checkpoint, current_coordinator, prepare_temp_dir
+from ckpt._describe import Leaf, array_shards, describe, finish_array_records
 from ckpt._errors import CheckpointError
 from ckpt._fs import local_path, remove_tree
-from ckpt._layout import chunk_grid, chunk_index_of, describe_sharding, flat_chunk_index, full_box, index_to_box
-from ckpt._manifest import (
-    INLINE_LIMIT, JAX_ARRAY, NUMPY, NUMPY_SCALAR, PRNG_KEY, PY_BOOL, PY_BYTES, PY_COMPLEX, PY_FLOAT,
-    PY_INT, PY_STR, LeafRecord, Manifest,
-)
-from ckpt._plan import HOST, ArrayShards, plan_save
+from ckpt._layout import chunk_grid, chunk_index_of, flat_chunk_index
+from ckpt._manifest import Manifest
+from ckpt._plan import plan_save
 from ckpt._staging import POOL, start_copies, take
 from ckpt._storage import ArraySpec, engine_for
-from ckpt._tree import FlatLeaf, display_path, flatten, storage_paths
+from ckpt._tree import flatten, storage_paths
 
 # Bytes handed to the storage engine and not yet durable, per process.
 MAX_INFLIGHT_BYTES = int(os.environ.get("CKPT_MAX_INFLIGHT_BYTES", 256 << 20))
@@ -71,113 +67,7 @@ class SaveHandle:
             raise self._error
 
 
-@dataclass
-class _Leaf:
-    record: LeafRecord
-    source: Any = None  # jax.Array / np.ndarray to write chunks from (None when inline)
-    chunk_shape: tuple[int, ...] | None = None
-    logical_dtype: np.dtype | None = None
-
-
-def _inline_record(rec: LeafRecord, host: np.ndarray) -> None:
-    rec.storage = {"type": "inline", "data": _dtypes.to_storage(host).tobytes()}
-
-
-def _describe(leaf: FlatLeaf, process_count: int) -> _Leaf:
-    v, path = leaf.value, leaf.path
-    rec = LeafRecord(path=path, kind="")
-    if isinstance(v, jax.core.Tracer):
-        raise CheckpointError(f"leaf {display_path(path)!r} is a tracer: save outside jit/vmap")
-    if isinstance(v, jax.Array):
-        if v.is_deleted():
-            raise CheckpointError(f"leaf {display_path(path)!r}: the array was deleted (donated?) before the save")
-        data = v
-        rec.kind = JAX_ARRAY
-        if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):
-            rec.kind, rec.prng_impl = PRNG_KEY, str(jax.random.key_impl(v))
-            data = jax.random.key_data(v)
-        rec.shape, rec.dtype = tuple(data.shape), np.dtype(data.dtype).name
-        rec.sharding = describe_sharding(v.sharding).to_record()
-        nbytes = data.size * data.dtype.itemsize
-        replicated_on_primary = data.sharding.is_fully_replicated and any(
-            d.process_index == 0 for d in data.sharding.device_set
-        )
-        if nbytes <= INLINE_LIMIT and (process_count == 1 or replicated_on_primary):
-            full = data.addressable_shards[0].data if process_count > 1 else data
-            _inline_record(rec, np.asarray(full))
-            return _Leaf(rec)
-        chunk = tuple(data.sharding.shard_shape(data.shape))
-        return _Leaf(rec, data, chunk, np.dtype(data.dtype))
-    if isinstance(v, (np.ndarray, np.generic)):
-        a = np.asarray(v)
-        rec.kind = NUMPY if isinstance(v, np.ndarray) else NUMPY_SCALAR
-        if a.dtype.kind in "OUSMm" or a.dtype.names is not None or a.dtype.subdtype is not None:
-            raise CheckpointError(f"leaf {display_path(path)!r}: cannot save numpy dtype {a.dtype}")
-        try:
-            _dtypes.storage_of(a.dtype)
-        except TypeError:
-            raise CheckpointError(f"leaf {display_path(path)!r}: cannot save numpy dtype {a.dtype}") from None
-        rec.shape, rec.dtype = a.shape, a.dtype.name
-        if a.nbytes <= INLINE_LIMIT:
-            _inline_record(rec, a)
-            return _Leaf(rec)
-        return _Leaf(rec, a, a.shape, a.dtype)
-    if isinstance(v, bool):
-        rec.kind, rec.value = PY_BOOL, v
-    elif isinstance(v, int):
-        rec.kind, rec.value = PY_INT, v if -(2**63) <= v < 2**64 else str(v)
-    elif isinstance(v, float):
-        rec.kind, rec.value = PY_FLOAT, v
-    elif isinstance(v, complex):
-        rec.kind, rec.value = PY_COMPLEX, [v.real, v.imag]
-    elif isinstance(v, str):
-        rec.kind, rec.value = PY_STR, v
-    elif isinstance(v, bytes):
-        rec.kind, rec.value = PY_BYTES, v
-    else:
-        raise CheckpointError(
-            f"leaf {display_path(path)!r}: cannot save a value of type {type(v).__module__}.{type(v).__qualname__}"
-        )
-    return _Leaf(rec)
-
-
-def _finish_array_records(leaves: list[_Leaf], paths: list[str]) -> None:
-    for leaf, spath in zip(leaves, paths):
-        if leaf.source is None:
-            continue
-        storage_dtype, encoding = _dtypes.storage_of(leaf.logical_dtype)
-        leaf.record.storage = {
-            "type": "zarr",
-            "path": spath,
-            "chunk_shape": list(leaf.chunk_shape),
-            "data_type": storage_dtype.name,
-            "encoding": encoding,
-            "checksum": ALGORITHM,
-            "chunk_checksums": None,  # filled in at commit
-        }
-
-
-def _array_shards(leaves: list[_Leaf]) -> list[ArrayShards]:
-    out, cache = [], {}
-    for i, leaf in enumerate(leaves):
-        src = leaf.source
-        if src is None:
-            continue
-        if isinstance(src, np.ndarray):
-            holders = {full_box(src.shape): [(0, HOST)]}
-        else:
-            key = (src.sharding, src.shape)
-            if key not in cache:
-                holders = {}
-                for d, idx in src.sharding.devices_indices_map(src.shape).items():
-                    holders.setdefault(index_to_box(idx, src.shape), []).append((d.process_index, d.id))
-                cache[key] = holders
-            holders = cache[key]
-        out.append(ArrayShards(i, src.dtype.itemsize, holders))
-    return out
-
-
-def _fingerprint(final: str, overwrite: bool, tree: dict, leaves: list[_Leaf]) -> bytes:
+def _fingerprint(final: str, overwrite: bool, tree: dict, leaves: list[Leaf]) -> bytes:
     view = [
         [l.record.path, l.record.kind, list(l.record.shape or ()), l.record.dtype, l.record.sharding,
          (l.record.storage or {}).get("type")]
@@ -206,7 +96,7 @@ def _check_fingerprints(views: list[dict]) -> None:
         )
 
 
-def _group_metadata_puts(engine, leaves: list[_Leaf]) -> list:
+def _group_metadata_puts(engine, leaves: list[Leaf]) -> list:
     """zarr.json for the root and every intermediate group, so stock zarr can browse the tree
     (written concurrently, each fsynced by the engine)."""
     groups = {""}
@@ -239,9 +129,9 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
     try:
         try:
             encoding, flat = flatten(tree)
-            leaves = [_describe(l, coord.process_count) for l in flat]
-            _finish_array_records(leaves, storage_paths([l.components for l in flat]))
-            plan = plan_save(_array_shards(leaves))
+            leaves = [describe(l, coord.process_count) for l in flat]
+            finish_array_records(leaves, storage_paths([l.components for l in flat]))
+            plan = plan_save(array_shards(leaves))
             my_writes = plan.for_process(coord.process_index)
             pending = start_copies({i: l.source for i, l in enumerate(leaves)}, my_writes)
             view, own_error = {"plan": _fingerprint(final, overwrite, encoding, leaves)}, None
@@ -292,7 +182,7 @@ def save(path, tree: Any, *, overwrite: bool = False) -> None:
     save_async(path, tree, overwrite=overwrite).wait()
 
 
-def _write_chunks(tmp: str, leaves: list[_Leaf], chunks: queue.Queue, primary: bool,
+def _write_chunks(tmp: str, leaves: list[Leaf], chunks: queue.Queue, primary: bool,
                   copied: threading.Event) -> dict:
     """Write this process's chunks as their host copies arrive; return their CRC-32Cs.
 
@@ -366,7 +256,7 @@ def _write_chunks(tmp: str, leaves: list[_Leaf], chunks: queue.Queue, primary: b
 
 
 def _write_and_commit(coord: Coordinator, save_id: str, final: str, tmp: str, overwrite: bool,
-                      encoding: dict, leaves: list[_Leaf], chunks: queue.Queue,
+                      encoding: dict, leaves: list[Leaf], chunks: queue.Queue,
                       user_metadata: dict | None, buffers: list, copied: threading.Event) -> None:
     try:
         _exchange_and_commit(coord, save_id, final, tmp, overwrite, encoding, leaves, chunks, user_metadata,
@@ -376,7 +266,7 @@ def _write_and_commit(coord: Coordinator, save_id: str, final: str, tmp: str, ov
 
 
 def _exchange_and_commit(coord: Coordinator, save_id: str, final: str, tmp: str, overwrite: bool,
-                         encoding: dict, leaves: list[_Leaf], chunks: queue.Queue,
+                         encoding: dict, leaves: list[Leaf], chunks: queue.Queue,
                          user_metadata: dict | None, buffers: list, copied: threading.Event) -> None:
     primary = coord.process_index == 0
     error: BaseException | None = None

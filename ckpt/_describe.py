@@ -1,0 +1,127 @@
+"""Describing leaves for a save: what kind each is, how it is stored (inline in the manifest or
+as a Zarr array with which chunk shape), and where its unique shards live. No I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from ckpt import _dtypes
+from ckpt._checksum import ALGORITHM
+from ckpt._errors import CheckpointError
+from ckpt._layout import describe_sharding, full_box, index_to_box
+from ckpt._manifest import (
+    INLINE_LIMIT, JAX_ARRAY, NUMPY, NUMPY_SCALAR, PRNG_KEY, PY_BOOL, PY_BYTES, PY_COMPLEX, PY_FLOAT,
+    PY_INT, PY_STR, LeafRecord,
+)
+from ckpt._plan import HOST, ArrayShards
+from ckpt._tree import FlatLeaf, display_path
+
+
+@dataclass
+class Leaf:
+    record: LeafRecord
+    source: Any = None  # jax.Array / np.ndarray to write chunks from (None when inline)
+    chunk_shape: tuple[int, ...] | None = None
+    logical_dtype: np.dtype | None = None
+
+
+def _inline_record(rec: LeafRecord, host: np.ndarray) -> None:
+    rec.storage = {"type": "inline", "data": _dtypes.to_storage(host).tobytes()}
+
+
+def describe(leaf: FlatLeaf, process_count: int) -> Leaf:
+    v, path = leaf.value, leaf.path
+    rec = LeafRecord(path=path, kind="")
+    if isinstance(v, jax.core.Tracer):
+        raise CheckpointError(f"leaf {display_path(path)!r} is a tracer: save outside jit/vmap")
+    if isinstance(v, jax.Array):
+        if v.is_deleted():
+            raise CheckpointError(f"leaf {display_path(path)!r}: the array was deleted (donated?) before the save")
+        data = v
+        rec.kind = JAX_ARRAY
+        if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):
+            rec.kind, rec.prng_impl = PRNG_KEY, str(jax.random.key_impl(v))
+            data = jax.random.key_data(v)
+        rec.shape, rec.dtype = tuple(data.shape), np.dtype(data.dtype).name
+        rec.sharding = describe_sharding(v.sharding).to_record()
+        nbytes = data.size * data.dtype.itemsize
+        replicated_on_primary = data.sharding.is_fully_replicated and any(
+            d.process_index == 0 for d in data.sharding.device_set
+        )
+        if nbytes <= INLINE_LIMIT and (process_count == 1 or replicated_on_primary):
+            full = data.addressable_shards[0].data if process_count > 1 else data
+            _inline_record(rec, np.asarray(full))
+            return Leaf(rec)
+        chunk = tuple(data.sharding.shard_shape(data.shape))
+        return Leaf(rec, data, chunk, np.dtype(data.dtype))
+    if isinstance(v, (np.ndarray, np.generic)):
+        a = np.asarray(v)
+        rec.kind = NUMPY if isinstance(v, np.ndarray) else NUMPY_SCALAR
+        if a.dtype.kind in "OUSMm" or a.dtype.names is not None or a.dtype.subdtype is not None:
+            raise CheckpointError(f"leaf {display_path(path)!r}: cannot save numpy dtype {a.dtype}")
+        try:
+            _dtypes.storage_of(a.dtype)
+        except TypeError:
+            raise CheckpointError(f"leaf {display_path(path)!r}: cannot save numpy dtype {a.dtype}") from None
+        rec.shape, rec.dtype = a.shape, a.dtype.name
+        if a.nbytes <= INLINE_LIMIT:
+            _inline_record(rec, a)
+            return Leaf(rec)
+        return Leaf(rec, a, a.shape, a.dtype)
+    if isinstance(v, bool):
+        rec.kind, rec.value = PY_BOOL, v
+    elif isinstance(v, int):
+        rec.kind, rec.value = PY_INT, v if -(2**63) <= v < 2**64 else str(v)
+    elif isinstance(v, float):
+        rec.kind, rec.value = PY_FLOAT, v
+    elif isinstance(v, complex):
+        rec.kind, rec.value = PY_COMPLEX, [v.real, v.imag]
+    elif isinstance(v, str):
+        rec.kind, rec.value = PY_STR, v
+    elif isinstance(v, bytes):
+        rec.kind, rec.value = PY_BYTES, v
+    else:
+        raise CheckpointError(
+            f"leaf {display_path(path)!r}: cannot save a value of type {type(v).__module__}.{type(v).__qualname__}"
+        )
+    return Leaf(rec)
+
+
+def finish_array_records(leaves: list[Leaf], paths: list[str]) -> None:
+    for leaf, spath in zip(leaves, paths):
+        if leaf.source is None:
+            continue
+        storage_dtype, encoding = _dtypes.storage_of(leaf.logical_dtype)
+        leaf.record.storage = {
+            "type": "zarr",
+            "path": spath,
+            "chunk_shape": list(leaf.chunk_shape),
+            "data_type": storage_dtype.name,
+            "encoding": encoding,
+            "checksum": ALGORITHM,
+            "chunk_checksums": None,  # filled in at commit
+        }
+
+
+def array_shards(leaves: list[Leaf]) -> list[ArrayShards]:
+    out, cache = [], {}
+    for i, leaf in enumerate(leaves):
+        src = leaf.source
+        if src is None:
+            continue
+        if isinstance(src, np.ndarray):
+            holders = {full_box(src.shape): [(0, HOST)]}
+        else:
+            key = (src.sharding, src.shape)
+            if key not in cache:
+                holders = {}
+                for d, idx in src.sharding.devices_indices_map(src.shape).items():
+                    holders.setdefault(index_to_box(idx, src.shape), []).append((d.process_index, d.id))
+                cache[key] = holders
+            holders = cache[key]
+        out.append(ArrayShards(i, src.dtype.itemsize, holders))
+    return out
