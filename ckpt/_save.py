@@ -229,7 +229,7 @@ def _write_chunks(tmp: str, leaves: list[Leaf], chunks: queue.Queue, primary: bo
             done_copying = copied.is_set()
             if done_copying:
                 checksum_pending()
-            limit = MAX_INFLIGHT_BYTES if done_copying else COPYING_INFLIGHT_BYTES
+            limit = MAX_INFLIGHT_BYTES if done_copying else min(COPYING_INFLIGHT_BYTES, MAX_INFLIGHT_BYTES)
             while inflight_bytes > limit and len(inflight) > 1:
                 fut, n = inflight.popleft()
                 fut.result()
