@@ -46,19 +46,17 @@ class HostBufferPool:
     def give_back(self, buffers: list[np.ndarray]) -> None:
         """Keep `buffers` (the last save's) for the next save; drop what the pool held before."""
         free: dict[int, list[np.ndarray]] = {}
-        for i in range(len(buffers)):
-            buf = buffers[i]
-            # References: buffers[i], `buf`, and getrefcount's argument. More means a view of
-            # it is still alive somewhere (the caller, or a storage engine): never reuse it.
-            if sys.getrefcount(buf) <= 3:
+        for buf in buffers:
+            # Views of a buffer (the host arrays handed to storage) reference the array that
+            # owns the memory, not `buf`, so that is the one to count. Expected: buf.base,
+            # `owner`, and getrefcount's argument. More means a view is still alive somewhere
+            # (the caller, or a storage engine): never reuse it.
+            owner = buf.base
+            if owner is not None and sys.getrefcount(owner) <= 3:
                 free.setdefault(buf.nbytes, []).append(buf)
-            del buf
+            del owner
         with self._lock:
             self._free = free
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free = {}
 
 
 POOL = HostBufferPool()

@@ -97,11 +97,13 @@ def _zarr_metadata(spec: ArraySpec) -> dict:
 
 
 class TensorStoreEngine:
-    """Zarr v3 through TensorStore's zarr3 driver on the local file system.
+    """Zarr v3 on the local file system.
 
-    TensorStore writes each chunk to a temporary file, fsyncs it and renames it into place, so
-    every chunk is durable before the checkpoint commits. Reads never fill a missing chunk
-    with the fill value: they fail, naming the file.
+    Writes go through TensorStore's zarr3 driver with direct I/O, each chunk fsynced before the
+    checkpoint commits. Whole-chunk reads (restore) go straight to the chunk file (see
+    read_chunk); region reads (used to compare differently chunked checkpoints) go through
+    TensorStore opened with ``fill_missing_data_reads: false``. Either way a missing chunk is an
+    error naming the file, never the fill value.
     """
 
     _context: ts.Context | None = None
@@ -147,9 +149,6 @@ class TensorStoreEngine:
                 {"driver": "file", "path": self.root + "/"}, context=self._context).result()
         return self._kvstore.write(key, data)
 
-    def open_write(self, path: str, spec: ArraySpec):
-        return self._open_write(path, spec).result()
-
     def _open_write(self, path: str, spec: ArraySpec):
         return ts.open(
             {
@@ -169,8 +168,9 @@ class TensorStoreEngine:
         return {k: f.result() for k, f in futures.items()}
 
     def write(self, handle, box: Box, data: np.ndarray):
-        # The library owns `data` and never changes it, so TensorStore may keep a reference
-        # instead of copying it into its chunk cache.
+        # The library owns `data` and does not change it while the write runs, so TensorStore
+        # may reference it instead of copying it (the staging pool reuses a buffer only once
+        # nothing references it any more).
         return handle[box_to_index(box)].write(data, can_reference_source_data_indefinitely=True)
 
     def read_chunk(self, path: str, index: tuple[int, ...], shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -20,7 +20,6 @@ from typing import Callable, TextIO
 import crc32c
 import numpy as np
 
-from ckpt import _dtypes
 from ckpt._layout import box_shape, chunk_box, chunk_grid, chunk_key
 from ckpt._manifest import Manifest
 from ckpt._tree import display_path

@@ -12,7 +12,6 @@ import shutil
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import msgpack
 import numpy as np

@@ -21,7 +21,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ckpt
 import ckpt._manager
 from ckpt._manager import steps_to_delete
-from ckpt._storage import TensorStoreEngine
 from support import WriteGate
 
 REPO = Path(__file__).resolve().parent.parent
