@@ -1,12 +1,15 @@
 """jax-ckpt: sharded checkpoints for JAX as plain Zarr v3 arrays plus a msgpack manifest.
 
 Public API:
-    save(path, tree, *, overwrite=False)
-    save_async(path, tree, *, overwrite=False) -> SaveHandle
-    restore(path, target=None, *, mesh=None, partial=False, verify=True)
-    metadata(path)
-    CheckpointManager(directory, ...)
-    ArrayMetadata, SaveHandle, CheckpointError, TreeMismatchError, ChecksumError
+    save(path, tree, *, overwrite=False, options=None)
+    save_async(path, tree, *, overwrite=False, options=None) -> SaveHandle
+    restore(path, target=None, *, mesh=None, partial=False, verify=True, options=None)
+    metadata(path, *, options=None)
+    CheckpointManager(directory, ..., options=None)
+    Options, ArrayMetadata, SaveHandle, CheckpointError, TreeMismatchError, ChecksumError
+
+Locations are local paths or URLs (file://, memory://, s3://, gs://, any fsspec URL); the
+storage engines behind them live in ckpt.storage (docs/storage.md).
 """
 
 __version__ = "0.1.0"
@@ -14,6 +17,7 @@ __version__ = "0.1.0"
 from ckpt._errors import CheckpointError, ChecksumError, TreeMismatchError
 from ckpt._manager import CheckpointManager
 from ckpt._metadata import ArrayMetadata, metadata
+from ckpt._options import Options
 from ckpt._restore import restore
 from ckpt._save import SaveHandle, save, save_async
 
@@ -22,6 +26,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "ChecksumError",
+    "Options",
     "SaveHandle",
     "TreeMismatchError",
     "metadata",

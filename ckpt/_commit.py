@@ -1,34 +1,36 @@
 """The commit protocol: how a save becomes a checkpoint, atomically, in one or many processes.
 
 1. Every process computes the save plan and a fingerprint of it; the fingerprints are compared.
-2. The primary process (index 0) checks the destination and creates a temporary sibling
-   directory ``<path>.tmp-<token>``; its name is broadcast.
-3. Every process writes its chunks (each fsynced by the storage engine) and reports its status
+2. The primary process (index 0) checks the destination and stages the save
+   (``Storage.stage``: a temporary sibling directory ``<path>.tmp-<token>`` on local disk, a fresh
+   generation prefix ``<path>/gen-<token>/`` elsewhere); where it is is broadcast.
+3. Every process writes its chunks there (each durable before it reports) and reports its status
    and chunk checksums to the primary.
-4. When all succeeded, the primary writes and fsyncs ``manifest.msgpack`` inside the temporary
-   directory, fsyncs it, and renames it to ``<path>`` in one step (RENAME_NOREPLACE, or
-   RENAME_EXCHANGE when overwriting). Otherwise it removes the temporary directory.
+4. When all succeeded, the primary writes the manifest last (``Storage.commit``: inside the
+   temporary directory, which is then renamed into place; or write-if-absent of
+   ``<path>/manifest.msgpack``). Otherwise it removes what was staged (``Storage.abort``).
 5. The outcome is broadcast; every process returns or raises.
 
-A crash at any point leaves either no directory at ``<path>`` (or the previous checkpoint, which
-is never modified) and at most a ``.tmp-`` directory, which readers refuse and the
-CheckpointManager deletes. Processes talk through a Coordinator: a local one here, the
-jax.distributed key-value store in ckpt._distributed.
+A crash at any point leaves the previous checkpoint (or nothing) at ``<path>``, plus at most
+staged data that no manifest points to, which readers never read. Processes talk through a
+Coordinator: a local one here, the jax.distributed key-value store in ckpt._distributed.
 """
 
 from __future__ import annotations
 
 import errno
-import os
-import secrets
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from ckpt._errors import CheckpointError
-from ckpt._fs import exchange, fsync_path, remove_tree, rename_noreplace, write_file_synced
-from ckpt._manifest import MANIFEST_NAME, Manifest
+from ckpt._manifest import Manifest
 from ckpt._manifest_check import check_manifest
+from ckpt.storage import MANIFEST_NAME, TEMP_MARK, Staged, Storage, is_temp_name
 
-TEMP_MARK = ".tmp-"
+# A manifest holds one record per leaf plus arrays of at most INLINE_LIMIT bytes; nothing a
+# real tree produces comes near this, and nothing larger is ever read.
+MANIFEST_LIMIT_BYTES = 1 << 30
+
+__all__ = ["TEMP_MARK", "is_temp_name"]
 
 
 class Coordinator(Protocol):
@@ -88,52 +90,44 @@ def current_coordinator() -> Coordinator:
     return distributed_coordinator()
 
 
-def is_temp_name(name: str) -> bool:
-    return TEMP_MARK in name
-
-
-def prepare_temp_dir(final: str, *, overwrite: bool) -> str:
-    """Check the destination and create the temporary directory beside it."""
-    if os.path.lexists(final) and not overwrite:
-        raise FileExistsError(errno.EEXIST, "checkpoint already exists (pass overwrite=True to replace it)", final)
-    parent = os.path.dirname(final)
-    os.makedirs(parent, exist_ok=True)
-    tmp = f"{final}{TEMP_MARK}{secrets.token_hex(6)}"
-    os.mkdir(tmp)
-    return tmp
-
-
-def commit_checkpoint(tmp: str, final: str, manifest: Manifest, *, overwrite: bool) -> None:
-    """Write the manifest last and move the temporary directory into place atomically."""
-    write_file_synced(os.path.join(tmp, MANIFEST_NAME), manifest.encode())
-    fsync_path(tmp)
-    if overwrite and os.path.lexists(final):
-        if exchange(tmp, final):
-            remove_tree(tmp)  # holds the previous checkpoint now
-        else:
-            # No atomic exchange here: the old checkpoint is moved aside, never modified.
-            old = f"{final}{TEMP_MARK}old-{secrets.token_hex(6)}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            remove_tree(old)
-    else:
-        rename_noreplace(tmp, final)
-    fsync_path(os.path.dirname(final))
-
-
-def read_manifest(root: str) -> Manifest:
-    """The manifest of the committed checkpoint at `root`, with the errors readers expect."""
-    if not os.path.lexists(root):
-        raise FileNotFoundError(errno.ENOENT, "no checkpoint at this path", root)
-    if not os.path.isdir(root):
-        raise CheckpointError(f"{root} is not a checkpoint directory")
-    path = os.path.join(root, MANIFEST_NAME)
-    if not os.path.exists(path):
-        why = (
-            "it is the temporary directory of a save that never committed"
-            if is_temp_name(os.path.basename(root))
-            else f"it has no {MANIFEST_NAME}; a save may not have committed"
+def read_manifest(storage: Storage) -> Manifest:
+    """The manifest of the committed checkpoint at `storage`, with the errors readers expect."""
+    if is_temp_name(storage.name):
+        raise CheckpointError(
+            f"{storage.url} is not a committed checkpoint: it is the temporary directory of a save that never committed"
         )
-        raise CheckpointError(f"{root} is not a committed checkpoint: {why}")
-    with open(path, "rb") as f:
-        return check_manifest(Manifest.decode(f.read(), root), root)
+    try:
+        data = storage.get(MANIFEST_NAME, max_bytes=MANIFEST_LIMIT_BYTES)
+    except NotADirectoryError:
+        raise CheckpointError(f"{storage.url} is not a checkpoint directory") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{storage.where(MANIFEST_NAME)} is not a file") from None
+    except FileNotFoundError:
+        if not storage.exists_any():
+            raise FileNotFoundError(errno.ENOENT, "no checkpoint at this path", storage.url) from None
+        raise CheckpointError(
+            f"{storage.url} is not a committed checkpoint: it has no {MANIFEST_NAME}; a save may not have committed"
+        ) from None
+    return check_manifest(Manifest.decode(data, storage.url), storage.url)
+
+
+def _old_data(storage: Storage) -> Callable[[], Iterable[str]]:
+    """The top-level entries the checkpoint now at `storage` keeps its data in (none if there is
+    no readable checkpoint): what an overwrite deletes after its commit."""
+
+    def entries() -> list[str]:
+        try:
+            old = read_manifest(storage)
+        except (OSError, CheckpointError):
+            return []
+        tops = {l.storage["path"].split("/", 1)[0] for l in old.leaves
+                if isinstance(l.storage, dict) and l.storage.get("type") == "zarr"}
+        flat = [t for t in tops if not t.startswith("gen-")]
+        return sorted(tops) + (["zarr.json"] if flat else [])
+
+    return entries
+
+
+def commit_checkpoint(storage: Storage, staged: Staged, manifest: Manifest, *, overwrite: bool) -> None:
+    """Write the manifest last, making what `staged` holds the checkpoint at `storage`."""
+    storage.commit(staged, manifest.encode(), overwrite=overwrite, old_data=_old_data(storage))

@@ -19,8 +19,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import operator
-import os
-import secrets
 import threading
 import warnings
 from typing import Any, Iterator
@@ -28,12 +26,13 @@ from typing import Any, Iterator
 import jax
 import msgpack
 
-from ckpt._commit import TEMP_MARK, is_temp_name, read_manifest
+from ckpt._commit import read_manifest
 from ckpt._errors import CheckpointError
-from ckpt._fs import fsync_path, local_path, remove_tree
+from ckpt._options import Options, resolve
 from ckpt._restore import restore as _restore
 from ckpt._save import SaveHandle, start_save
 from ckpt._steps import scan_steps, step_dir_name
+from ckpt.storage import MANIFEST_NAME, Storage, is_temp_name, open_storage
 
 # Metadata travels inside the manifest, which every restore reads whole.
 METADATA_LIMIT_BYTES = 1 << 20
@@ -49,31 +48,6 @@ def steps_to_delete(committed: list[int], max_to_keep: int | None, keep_every_n_
     if keep_every_n_steps:
         keep.update(s for s in ordered if s % keep_every_n_steps == 0)
     return [s for s in ordered if s not in keep]
-
-
-# A committed step is deleted in two parts, so that no crash can leave a half-deleted step that
-# looks committed: a rename to a temporary name (after which it is no longer a step), then the
-# removal of the files.
-
-
-def _retire_step_dir(directory: str, step: int) -> str:
-    final = os.path.join(directory, step_dir_name(step))
-    retired = f"{final}{TEMP_MARK}deleted-{secrets.token_hex(6)}"
-    os.rename(final, retired)
-    return retired
-
-
-def _remove_retired(directory: str, retired: str) -> None:
-    fsync_path(directory)  # the rename is durable before any file goes
-    remove_tree(retired)
-
-
-def _remove_leftover(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        remove_tree(path)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
 
 
 def _check_count(name: str, value: int | None, *, optional: bool) -> int | None:
@@ -140,21 +114,24 @@ class CheckpointManager:
     - ``async_save``: ``save`` returns once the state is copied to host memory (the arrays may
       then be donated); with False it returns once the step is committed.
 
+    - ``options``: engine, concurrency and memory settings for every save and restore
+      (``ckpt.Options``); `directory` may be any location ``ckpt.save`` accepts.
+
     Opening a manager removes (in the background, on process 0) temporary directories left by
     saves that never committed. One manager per directory per job; its methods are meant to be
     called from one thread.
     """
 
     def __init__(self, directory, *, max_to_keep: int | None = None, keep_every_n_steps: int | None = None,
-                 save_interval_steps: int = 1, async_save: bool = True) -> None:
-        self.directory = local_path(directory)
+                 save_interval_steps: int = 1, async_save: bool = True, options: Options | None = None) -> None:
+        self.options = resolve(options)
+        self.storage: Storage = open_storage(directory, self.options)
+        self.directory = self.storage.url
         self.max_to_keep = _check_count("max_to_keep", max_to_keep, optional=True)
         self.keep_every_n_steps = _check_count("keep_every_n_steps", keep_every_n_steps, optional=True)
         self.save_interval_steps = _check_count("save_interval_steps", save_interval_steps, optional=False)
         self.async_save = bool(async_save)
-        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
-            raise NotADirectoryError(errno.ENOTDIR, "checkpoint manager directory is not a directory", self.directory)
-        os.makedirs(self.directory, exist_ok=True)
+        self.storage.make_dirs()
         self._deletes = jax.process_index() == 0
         self._closed = False
         self._pending: _Pending | None = None
@@ -162,12 +139,15 @@ class CheckpointManager:
         self._background_lock = threading.Lock()  # one deleter at a time
         self._pin_lock = threading.Lock()
         self._pinned: dict[int, int] = {}  # step -> restores/metadata reads in progress
-        entries = scan_steps(self.directory)
+        self._deleting: set[int] = set()  # steps retention is deleting now
+        entries = scan_steps(self.storage)
         # Steps saved, or being saved, as far as this manager knows. Deliberately not re-listed
         # later: every process of a job must make the same decisions.
         self._known_steps = {e.step for e in entries if e.committed}
         self._last_step = max(self._known_steps, default=None)
-        leftovers = [e.path for e in entries if is_temp_name(os.path.basename(e.path))]
+        # Temporary directories, and step prefixes without a manifest on backends without
+        # directories (data of a save that never committed, or of a step half-deleted).
+        leftovers = [e.name for e in entries if is_temp_name(e.name) or (not self.storage.renames and not e.committed)]
         if self._deletes and leftovers:
             self._start_background(self._remove_leftovers, leftovers, name="ckpt-manager-cleanup")
 
@@ -175,7 +155,7 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int]:
         """Committed steps, sorted."""
-        return [e.step for e in scan_steps(self.directory) if e.committed]
+        return [e.step for e in scan_steps(self.storage) if e.committed]
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None when there is none."""
@@ -202,8 +182,8 @@ class CheckpointManager:
             return False
 
     def step_path(self, step: int) -> str:
-        """The directory of `step` (committed or not)."""
-        return os.path.join(self.directory, step_dir_name(_as_step(step)))
+        """The location of `step` (committed or not), as ``ckpt.restore`` accepts it."""
+        return self.storage.where(step_dir_name(_as_step(step)))
 
     # ---- save ----------------------------------------------------------------------------
 
@@ -222,7 +202,7 @@ class CheckpointManager:
         stored = _snapshot_metadata(step, metadata)
         self._finish_pending()
         path = self.step_path(step)
-        handle = start_save(path, tree, user_metadata=stored)
+        handle = start_save(self.storage.child(step_dir_name(step)), tree, user_metadata=stored, options=self.options)
         pending = _Pending(step, path, handle)
         self._pending = pending
         self._known_steps.add(step)
@@ -266,13 +246,13 @@ class CheckpointManager:
     def restore(self, step: int | None = None, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
                 partial: bool = False) -> Any:
         """``ckpt.restore`` of `step` (default: the latest committed step)."""
-        with self._pinned_step(step) as path:
-            return _restore(path, target, mesh=mesh, partial=partial)
+        with self._pinned_step(step) as location:
+            return _restore(location, target, mesh=mesh, partial=partial, options=self.options)
 
     def metadata(self, step: int | None = None) -> dict:
         """The metadata dict saved with `step` (default: the latest); {} when none was given."""
-        with self._pinned_step(step) as path:
-            stored = read_manifest(path).user_metadata
+        with self._pinned_step(step) as location:
+            stored = read_manifest(location).user_metadata
         return {} if stored is None else stored
 
     # ---- internals -----------------------------------------------------------------------
@@ -316,27 +296,34 @@ class CheckpointManager:
         committed = self.all_steps()
         for step in steps_to_delete(committed, self.max_to_keep, self.keep_every_n_steps):
             try:
-                with self._pin_lock:  # held only for the rename: restores wait for nothing slow
+                with self._pin_lock:
                     if self._pinned.get(step):
                         continue  # being read; a later commit deletes it
-                    retired = _retire_step_dir(self.directory, step)
-                _remove_retired(self.directory, retired)
+                    self._deleting.add(step)
+                try:
+                    # The manifest goes first (or the directory is renamed away), so a crash never
+                    # leaves a half-deleted step that looks committed.
+                    self.storage.child(step_dir_name(step)).retire()
+                finally:
+                    with self._pin_lock:
+                        self._deleting.discard(step)
             except OSError as e:
                 # Left in place (still committed and whole); the next commit retries.
                 warnings.warn(f"checkpoint manager could not delete step {step} in {self.directory}: {e}",
                               RuntimeWarning, stacklevel=1)
 
-    def _remove_leftovers(self, paths: list[str]) -> None:
+    def _remove_leftovers(self, names: list[str]) -> None:
         with self._background_lock:
-            for path in paths:
+            for name in names:
                 try:
-                    _remove_leftover(path)
+                    self.storage.delete_tree(name)
                 except OSError as e:
-                    warnings.warn(f"checkpoint manager could not remove {path}: {e}", RuntimeWarning, stacklevel=1)
+                    warnings.warn(f"checkpoint manager could not remove {self.storage.where(name)}: {e}",
+                                  RuntimeWarning, stacklevel=1)
 
     @contextlib.contextmanager
-    def _pinned_step(self, step: int | None) -> Iterator[str]:
-        """The path of a committed step, which retention leaves alone until the block ends."""
+    def _pinned_step(self, step: int | None) -> Iterator[Storage]:
+        """The storage of a committed step, which retention leaves alone until the block ends."""
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -344,13 +331,15 @@ class CheckpointManager:
         step = _as_step(step)
         with self._pin_lock:
             self._pinned[step] = self._pinned.get(step, 0) + 1
+            deleting = step in self._deleting
         try:
-            path = self.step_path(step)
-            if not os.path.isdir(path):
+            location = self.storage.child(step_dir_name(step))
+            if deleting or not location.exists(MANIFEST_NAME):
                 raise FileNotFoundError(
-                    errno.ENOENT, f"step {step} is not a committed checkpoint here (committed steps: {self.all_steps()})", path
+                    errno.ENOENT, f"step {step} is not a committed checkpoint here (committed steps: {self.all_steps()})",
+                    location.url,
                 )
-            yield path
+            yield location
         finally:
             with self._pin_lock:
                 self._pinned[step] -= 1

@@ -11,11 +11,12 @@ from jax.sharding import PartitionSpec
 
 from ckpt import _dtypes
 from ckpt._commit import read_manifest
-from ckpt._fs import local_path
 from ckpt._layout import ShardingInfo
 from ckpt._manifest import ARRAY_KINDS, PRNG_KEY, LeafRecord
 from ckpt._restore import logical_shape, py_value
+from ckpt._options import Options, resolve
 from ckpt._tree import unflatten
+from ckpt.storage import open_storage
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,11 @@ def array_metadata(rec: LeafRecord) -> ArrayMetadata:
     )
 
 
-def metadata(path) -> Any:
+def metadata(path, *, options: Options | None = None) -> Any:
     """The saved tree (dicts, lists, tuples) with ArrayMetadata for arrays and the values of
     small non-array leaves (numbers, strings). Reads only the manifest."""
-    manifest = read_manifest(local_path(path))
+    opts = resolve(options)
+    manifest = read_manifest(open_storage(path, opts))
     values = [array_metadata(r) if r.kind in ARRAY_KINDS else py_value(r) for r in manifest.leaves]
     return unflatten(manifest.tree, values)
 

@@ -5,7 +5,6 @@ and build every array with jax.make_array_from_callback from the regions already
 from __future__ import annotations
 
 import math
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,18 +18,15 @@ from ckpt import _dtypes
 from ckpt._checksum import chunk_checksum
 from ckpt._commit import read_manifest
 from ckpt._errors import CheckpointError, ChecksumError
-from ckpt._fs import local_path
 from ckpt._layout import (
     Box, ShardingInfo, box_shape, chunk_grid, chunk_key, flat_chunk_index, full_box, index_to_box, intersect,
     normalize_spec, relative, spec_axes,
 )
 from ckpt._manifest import ARRAY_KINDS, NUMPY_SCALAR, PRNG_KEY, LeafRecord
+from ckpt._options import Options, resolve
 from ckpt._plan import LeafReadPlan, batch_by_budget, plan_leaf_read
-from ckpt._storage import IO_CONCURRENCY, aligned_empty, engine_for
 from ckpt._tree import display_path, leaf_components, match_target, unflatten
-
-# Host bytes of chunks read and regions assembled, not yet placed on devices (per process).
-HOST_BUDGET_BYTES = int(os.environ.get("CKPT_HOST_BUDGET_BYTES", 2 << 30))
+from ckpt.storage import Storage, aligned_empty, open_storage
 
 
 @dataclass
@@ -148,9 +144,12 @@ def _inline_array(rec: LeafRecord) -> np.ndarray:
 
 
 class _Reader:
-    def __init__(self, root: str, leaves: list[LeafRecord], verify: bool, stats: RestoreStats):
-        self.root, self.leaves, self.verify, self.stats = root, leaves, verify, stats
-        self.engine = engine_for(root)
+    """Reads the chunks of planned regions through a Storage, each once, verified."""
+
+    def __init__(self, storage: Storage, leaves: list[LeafRecord], verify: bool, stats: RestoreStats,
+                 options: Options):
+        self.storage, self.leaves, self.verify, self.stats = storage, leaves, verify, stats
+        self.options = options
 
     def plan(self, want: _Want) -> LeafReadPlan:
         rec = self.leaves[want.index]
@@ -164,7 +163,7 @@ class _Reader:
     def run(self, wants: list[_Want]) -> dict[int, Any]:
         plans = [self.plan(w) for w in wants]
         out: dict[int, Any] = {}
-        for batch in batch_by_budget([p.bytes_read + p.bytes_needed for p in plans], HOST_BUDGET_BYTES):
+        for batch in batch_by_budget([p.bytes_read + p.bytes_needed for p in plans], self.options.host_budget_bytes):
             regions = self.read([plans[i] for i in batch])
             for i in batch:
                 rec = self.leaves[wants[i].index]
@@ -174,11 +173,11 @@ class _Reader:
     def read(self, plans: list[LeafReadPlan]) -> dict[int, dict[Box, np.ndarray]]:
         """The regions of each plan (storage dtype), every chunk read once and verified.
 
-        All chunks of the batch are read concurrently on a pool as wide as the engine's I/O;
-        each is checked against its CRC-32C on the thread that read it.
+        All chunks of the batch are read concurrently on a pool as wide as the storage I/O
+        (``io_concurrency``); each is checked against its CRC-32C on the thread that read it.
         """
         futures = {}
-        pool = ThreadPoolExecutor(IO_CONCURRENCY, thread_name_prefix="ckpt-read")
+        pool = ThreadPoolExecutor(self.options.io_concurrency, thread_name_prefix="ckpt-read")
         try:
             for p in plans:
                 rec = self.leaves[p.leaf]
@@ -206,10 +205,13 @@ class _Reader:
 
     def _read_chunk(self, rec: LeafRecord, c) -> np.ndarray:
         st = rec.storage
-        file = os.path.join(self.root, st["path"], chunk_key(c.index))
+        file = self.storage.where(f"{st['path']}/{chunk_key(c.index)}")
         where = f"leaf {display_path(rec.path)!r}, chunk {list(c.index)} ({file})"
+        dtype = np.dtype(st["data_type"]).newbyteorder("<")
+        shape = box_shape(c.box)
         try:
-            a = self.engine.read_chunk(st["path"], c.index, box_shape(c.box), np.dtype(st["data_type"]))
+            raw = self.storage.read_chunk(st["path"], c.index, math.prod(shape) * dtype.itemsize)
+            a = raw.view(dtype).reshape(shape)
         except FileNotFoundError:
             raise CheckpointError(f"{where}: chunk file is missing") from None
         except (OSError, CheckpointError) as e:
@@ -253,12 +255,14 @@ def _assemble(box: Box, chunk_ids, chunks: dict, plan: LeafReadPlan) -> np.ndarr
     return out
 
 
-def read_regions(path, leaf_path: str, boxes: list[Box], *, verify: bool = True
+def read_regions(path, leaf_path: str, boxes: list[Box], *, verify: bool = True, options: Options | None = None
                  ) -> tuple[dict[Box, np.ndarray], RestoreStats]:
     """The given regions of one saved array as numpy (logical dtype), reading only the chunks
     that overlap them: the reader restore uses, for one leaf."""
-    root = local_path(path)
-    manifest = read_manifest(root)
+    opts = resolve(options)
+    storage = open_storage(path, opts)
+    root = storage.url
+    manifest = read_manifest(storage)
     paths = ["/".join(c) for c in leaf_components(manifest.tree)]
     if leaf_path not in paths:
         raise CheckpointError(f"{root} has no leaf {leaf_path!r}")
@@ -267,16 +271,18 @@ def read_regions(path, leaf_path: str, boxes: list[Box], *, verify: bool = True
     if rec.kind not in ARRAY_KINDS:
         raise CheckpointError(f"leaf {leaf_path!r} is not an array")
     stats = RestoreStats()
-    reader = _Reader(root, manifest.leaves, verify, stats)
+    reader = _Reader(storage, manifest.leaves, verify, stats, opts)
     plan = plan_leaf_read(i, rec.shape, _chunk_shape(rec), _dtypes.dtype_from_name(rec.dtype).itemsize, boxes)
     logical = _dtypes.dtype_from_name(rec.dtype)
     regions = reader.read([plan])[i]
     return {b: _dtypes.from_storage(a, logical) for b, a in regions.items()}, stats
 
 
-def restore_with_stats(path, target=None, *, mesh=None, partial=False, verify=True) -> tuple[Any, RestoreStats]:
-    root = local_path(path)
-    manifest = read_manifest(root)
+def restore_with_stats(path, target=None, *, mesh=None, partial=False, verify=True,
+                       options: Options | None = None) -> tuple[Any, RestoreStats]:
+    opts = resolve(options)
+    storage = open_storage(path, opts)
+    manifest = read_manifest(storage)
     if target is not None and mesh is not None:
         raise ValueError("pass either target or mesh, not both")
     leaves = manifest.leaves
@@ -289,7 +295,7 @@ def restore_with_stats(path, target=None, *, mesh=None, partial=False, verify=Tr
         treedef, pairs = match_target(target, paths, partial=partial)
         wants = [_want_from_target(i, leaves[i], t) for i, t in pairs]
     stats = RestoreStats()
-    built = _Reader(root, leaves, verify, stats).run([w for w in wants if w is not None])
+    built = _Reader(storage, leaves, verify, stats, opts).run([w for w in wants if w is not None])
     values = [built[i] if i in built else py_value(leaves[i]) for i, _ in pairs]
     if target is None:
         return unflatten(manifest.tree, values), stats
@@ -297,8 +303,8 @@ def restore_with_stats(path, target=None, *, mesh=None, partial=False, verify=Tr
 
 
 def restore(path, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
-            partial: bool = False, verify: bool = True) -> Any:
-    """Restore the checkpoint at `path`.
+            partial: bool = False, verify: bool = True, options: Options | None = None) -> Any:
+    """Restore the checkpoint at `path` (a local path or URL, as for ``save``).
 
     - `target`: a pytree like the saved one whose array leaves are jax.ShapeDtypeStruct (with a
       sharding), jax.Array, or a bare jax.sharding.Sharding. Each array comes back as a
@@ -310,6 +316,7 @@ def restore(path, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
       (custom nodes become dicts keyed by field name).
 
     Only the chunks that overlap regions this process's devices need are read, and each is
-    checked against its saved CRC-32C unless ``verify=False``.
+    checked against its saved CRC-32C unless ``verify=False``. `options`: engine, concurrency and
+    host budget (``ckpt.Options``).
     """
-    return restore_with_stats(path, target, mesh=mesh, partial=partial, verify=verify)[0]
+    return restore_with_stats(path, target, mesh=mesh, partial=partial, verify=verify, options=options)[0]

@@ -5,7 +5,6 @@ background. ``save`` is ``save_async(...).wait()``; there is one save path.
 from __future__ import annotations
 
 import hashlib
-import os
 import queue
 import threading
 from collections import deque
@@ -16,20 +15,18 @@ import numpy as np
 
 from ckpt import _dtypes
 from ckpt._checksum import chunk_checksum
-from ckpt._commit import Coordinator, commit_checkpoint, current_coordinator, prepare_temp_dir
+from ckpt._commit import Coordinator, commit_checkpoint, current_coordinator
 from ckpt._describe import Leaf, array_shards, describe, finish_array_records
 from ckpt._errors import CheckpointError
-from ckpt._fs import local_path, remove_tree
 from ckpt._layout import chunk_grid, chunk_index_of, flat_chunk_index
-from ckpt._manifest import Manifest
+from ckpt._manifest import LeafRecord, Manifest
+from ckpt._options import Options, resolve
 from ckpt._plan import plan_save
 from ckpt._staging import POOL, start_copies, take
-from ckpt._storage import ArraySpec, engine_for
 from ckpt._tree import flatten, storage_paths
+from ckpt.storage import ArraySpec, Staged, Storage, open_storage
 
-# Bytes handed to the storage engine and not yet durable, per process.
-MAX_INFLIGHT_BYTES = int(os.environ.get("CKPT_MAX_INFLIGHT_BYTES", 256 << 20))
-# The same while the caller is still making its host copies: enough to keep the disk busy,
+# Bytes handed to storage and not yet durable, per process, while the caller is still making its host copies: enough to keep the disk busy,
 # little enough not to slow the copies the caller waits for (measured on 2 cores: 64 MiB kept
 # save throughput within noise of unthrottled writes and cut the worst blocking time 2.5x).
 COPYING_INFLIGHT_BYTES = 64 << 20
@@ -96,7 +93,7 @@ def _check_fingerprints(views: list[dict]) -> None:
         )
 
 
-def _group_metadata_puts(engine, leaves: list[Leaf]) -> list:
+def _group_metadata_puts(storage: Storage, leaves: list[Leaf]) -> list:
     """zarr.json for the root and every intermediate group, so stock zarr can browse the tree
     (written concurrently, each fsynced by the engine)."""
     groups = {""}
@@ -105,24 +102,31 @@ def _group_metadata_puts(engine, leaves: list[Leaf]) -> list:
         if st and st["type"] == "zarr":
             parts = st["path"].split("/")
             groups.update("/".join(parts[:k]) for k in range(1, len(parts)))
-    body = b'{"zarr_format": 3, "node_type": "group", "attributes": {}}'
-    return [engine.put(f"{g}/zarr.json" if g else "zarr.json", body) for g in sorted(groups)]
+    return [storage.put_group(g) for g in sorted(groups)]
 
 
-def save_async(path, tree: Any, *, overwrite: bool = False) -> SaveHandle:
+def save_async(path, tree: Any, *, overwrite: bool = False, options: Options | None = None) -> SaveHandle:
     """Start saving `tree` to `path`; return once the data this process writes is in host
     memory the library owns. The arrays may be donated or deleted from then on.
 
+    `path`: a local path, a URL (``file://``, ``memory://``, ``s3://``, ``gs://``, any fsspec
+    URL), a ``pathlib.Path`` or an ``etils.epath.Path`` (docs/storage.md). `options`: engine,
+    concurrency and memory settings (``ckpt.Options``).
+
     ``SaveHandle.wait()`` blocks until the checkpoint is committed. Raises FileExistsError when
-    `path` exists and `overwrite` is False, and CheckpointError for leaves it cannot save.
+    `path` holds a checkpoint and `overwrite` is False, and CheckpointError for leaves it cannot
+    save.
     """
-    return start_save(path, tree, overwrite=overwrite)
+    return start_save(path, tree, overwrite=overwrite, options=options)
 
 
-def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict | None = None) -> SaveHandle:
+def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict | None = None,
+               options: Options | None = None) -> SaveHandle:
     """save_async with the library-internal options (user_metadata: a small msgpack-able dict
     stored in the manifest, used by CheckpointManager)."""
-    final = local_path(path)
+    opts = resolve(options)
+    storage = open_storage(path, opts)
+    final = storage.url
     coord = current_coordinator()
     # First, before anything can fail, so that every process's count of saves stays the same.
     save_id = coord.new_save_id()
@@ -144,14 +148,14 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
 
         def prepare() -> bytes:
             try:
-                return msgpack.packb({"tmp": prepare_temp_dir(final, overwrite=overwrite)})
+                return msgpack.packb({"staged": storage.stage(overwrite=overwrite).info})
             except OSError as e:
                 return msgpack.packb({"errno": e.errno, "error": f"{e.strerror}: {e.filename}"})
 
         decision = msgpack.unpackb(coord.broadcast(f"{save_id}/prepare", prepare))
-        if "tmp" not in decision:
+        if "staged" not in decision:
             raise OSError(decision["errno"], decision["error"].split(": ")[0], final)
-        tmp = decision["tmp"]
+        staged = storage.staged_from(decision["staged"])
     except BaseException:
         coord.end_save(save_id)
         raise
@@ -159,10 +163,10 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
     chunks: queue.Queue = queue.Queue()
     buffers: list = []  # pooled staging buffers, returned once every write is done
     copied = threading.Event()  # set once every host copy exists
-    handle = SaveHandle(final, lambda: _write_and_commit(coord, save_id, final, tmp, overwrite, encoding,
-                                                         leaves, chunks, user_metadata, buffers, copied))
+    job = _SaveJob(coord, save_id, storage, staged, overwrite, encoding, leaves, user_metadata, opts)
+    handle = SaveHandle(final, lambda: job.run(chunks, buffers, copied))
     try:
-        for item in take(pending, buffers):
+        for item in take(pending, buffers if opts.staging_pool else None):
             chunks.put(item)
     except BaseException as e:
         copied.set()
@@ -177,21 +181,20 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
     return handle
 
 
-def save(path, tree: Any, *, overwrite: bool = False) -> None:
-    """Save `tree` to `path` and return once the checkpoint is committed."""
-    save_async(path, tree, overwrite=overwrite).wait()
+def save(path, tree: Any, *, overwrite: bool = False, options: Options | None = None) -> None:
+    """Save `tree` to `path` and return once the checkpoint is committed (see save_async)."""
+    save_async(path, tree, overwrite=overwrite, options=options).wait()
 
 
-def _write_chunks(tmp: str, leaves: list[Leaf], chunks: queue.Queue, primary: bool,
-                  copied: threading.Event) -> dict:
+def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, primary: bool,
+                  copied: threading.Event, max_inflight_bytes: int) -> dict:
     """Write this process's chunks as their host copies arrive; return their CRC-32Cs.
 
     While the caller is still copying (`copied` not set), few writes go out
     (COPYING_INFLIGHT_BYTES) and no checksum is computed: the disk starts working without
-    slowing the copies the caller waits for. Then writes go out up to MAX_INFLIGHT_BYTES and the
+    slowing the copies the caller waits for. Then writes go out up to `max_inflight_bytes` and the
     checksums are computed while they are in flight (direct I/O leaves the CPU idle meanwhile).
     """
-    engine = engine_for(tmp)
     specs = {}
     for i, leaf in enumerate(leaves):
         st = leaf.record.storage
@@ -199,7 +202,7 @@ def _write_chunks(tmp: str, leaves: list[Leaf], chunks: queue.Queue, primary: bo
             attrs = {"jax_ckpt": {"path": leaf.record.path, "dtype": leaf.record.dtype, "encoding": st["encoding"]}}
             specs[i] = ArraySpec(tuple(leaf.record.shape), tuple(leaf.chunk_shape),
                                  np.dtype(st["data_type"]), attrs)
-    handles = engine.open_write_all({i: (leaves[i].record.storage["path"], spec) for i, spec in specs.items()})
+    handles = storage.open_arrays({i: (leaves[i].record.storage["path"], spec) for i, spec in specs.items()})
     sums: dict[int, dict[int, int]] = {}
     unsummed: list = []  # (leaf, flat chunk index, data) still to checksum
     inflight: deque = deque()
@@ -223,13 +226,13 @@ def _write_chunks(tmp: str, leaves: list[Leaf], chunks: queue.Queue, primary: bo
             data = _dtypes.to_storage(host)
             index = chunk_index_of(w.box, leaf.chunk_shape)
             flat = flat_chunk_index(index, chunk_grid(leaf.record.shape, leaf.chunk_shape))
-            inflight.append((engine.write(handles[w.leaf], w.box, data), w.nbytes))
+            inflight.append((storage.write_chunk(handles[w.leaf], w.box, data), w.nbytes))
             inflight_bytes += w.nbytes
             unsummed.append((w.leaf, flat, data))
             done_copying = copied.is_set()
             if done_copying:
                 checksum_pending()
-            limit = MAX_INFLIGHT_BYTES if done_copying else min(COPYING_INFLIGHT_BYTES, MAX_INFLIGHT_BYTES)
+            limit = max_inflight_bytes if done_copying else min(COPYING_INFLIGHT_BYTES, max_inflight_bytes)
             while inflight_bytes > limit and len(inflight) > 1:
                 fut, n = inflight.popleft()
                 fut.result()
@@ -237,8 +240,8 @@ def _write_chunks(tmp: str, leaves: list[Leaf], chunks: queue.Queue, primary: bo
         checksum_pending()
         if primary:
             # Metadata last: the small fsynced files then overlap the chunk writes in flight.
-            created = [engine.create(leaves[i].record.storage["path"], spec) for i, spec in specs.items()]
-            created += _group_metadata_puts(engine, leaves)
+            created = [storage.create_array(leaves[i].record.storage["path"], spec) for i, spec in specs.items()]
+            created += _group_metadata_puts(storage, leaves)
         for fut, _ in inflight:
             fut.result()
         for fut in created:
@@ -255,83 +258,95 @@ def _write_chunks(tmp: str, leaves: list[Leaf], chunks: queue.Queue, primary: bo
     return sums
 
 
-def _write_and_commit(coord: Coordinator, save_id: str, final: str, tmp: str, overwrite: bool,
-                      encoding: dict, leaves: list[Leaf], chunks: queue.Queue,
-                      user_metadata: dict | None, buffers: list, copied: threading.Event) -> None:
-    try:
-        _exchange_and_commit(coord, save_id, final, tmp, overwrite, encoding, leaves, chunks, user_metadata,
-                             buffers, copied)
-    finally:
-        coord.end_save(save_id)
+class _SaveJob:
+    """The background part of one save: write this process's chunks, exchange reports, commit."""
 
+    def __init__(self, coord: Coordinator, save_id: str, storage: Storage, staged: Staged, overwrite: bool,
+                 encoding: dict, leaves: list[Leaf], user_metadata: dict | None, options: Options):
+        self.coord, self.save_id, self.storage, self.staged = coord, save_id, storage, staged
+        self.overwrite, self.encoding, self.leaves = overwrite, encoding, leaves
+        self.user_metadata, self.options = user_metadata, options
 
-def _exchange_and_commit(coord: Coordinator, save_id: str, final: str, tmp: str, overwrite: bool,
-                         encoding: dict, leaves: list[Leaf], chunks: queue.Queue,
-                         user_metadata: dict | None, buffers: list, copied: threading.Event) -> None:
-    primary = coord.process_index == 0
-    error: BaseException | None = None
-    sums: dict = {}
-    try:
-        sums = _write_chunks(tmp, leaves, chunks, primary, copied)
-        POOL.give_back(buffers)  # every write is done and the copy loop has ended
-    except BaseException as e:
-        error = e
-    buffers.clear()
-    status = msgpack.packb(
-        {"error": None if error is None else f"{type(error).__name__}: {error}",
-         "sums": [[leaf, flat, crc] for leaf, m in sums.items() for flat, crc in m.items()]},
-        use_bin_type=True,
-    )
-    try:
-        gathered = coord.all_gather(f"{save_id}/written", status)
-    except CheckpointError as e:
-        if primary:  # the primary never commits without every process's report
-            remove_tree(tmp)
-            raise CheckpointError(f"save to {final} failed, nothing committed: {e}") from None
-        raise CheckpointError(f"save to {final} failed: {e}") from None
-    statuses = [msgpack.unpackb(s, strict_map_key=False) for s in gathered]
-
-    def commit() -> bytes:
-        failed = {p: s["error"] for p, s in enumerate(statuses) if s["error"]}
-        if failed:
-            remove_tree(tmp)
-            return msgpack.packb({"error": "; ".join(f"process {p}: {e}" for p, e in failed.items())})
+    def run(self, chunks: queue.Queue, buffers: list, copied: threading.Event) -> None:
         try:
-            _commit_manifest(tmp, final, overwrite, encoding, leaves, statuses, user_metadata)
-            return msgpack.packb({"error": None})
+            self._exchange_and_commit(chunks, buffers, copied)
+        finally:
+            self.coord.end_save(self.save_id)
+
+    def _abort(self) -> None:
+        try:
+            self.storage.abort(self.staged)
+        except OSError:
+            pass  # left for cleanup: never a checkpoint, since no manifest points to it
+
+    def _exchange_and_commit(self, chunks: queue.Queue, buffers: list, copied: threading.Event) -> None:
+        coord, final = self.coord, self.storage.url
+        primary = coord.process_index == 0
+        error: BaseException | None = None
+        sums: dict = {}
+        try:
+            sums = _write_chunks(self.staged.storage, self.leaves, chunks, primary, copied,
+                                 self.options.max_inflight_bytes)
+            POOL.give_back(buffers)  # every write is done and the copy loop has ended
         except BaseException as e:
-            remove_tree(tmp)
-            return msgpack.packb({"error": f"commit failed: {type(e).__name__}: {e}"})
+            error = e
+        buffers.clear()
+        status = msgpack.packb(
+            {"error": None if error is None else f"{type(error).__name__}: {error}",
+             "sums": [[leaf, flat, crc] for leaf, m in sums.items() for flat, crc in m.items()]},
+            use_bin_type=True,
+        )
+        try:
+            gathered = coord.all_gather(f"{self.save_id}/written", status)
+        except CheckpointError as e:
+            if primary:  # the primary never commits without every process's report
+                self._abort()
+                raise CheckpointError(f"save to {final} failed, nothing committed: {e}") from None
+            raise CheckpointError(f"save to {final} failed: {e}") from None
+        statuses = [msgpack.unpackb(s, strict_map_key=False) for s in gathered]
 
-    try:
-        outcome = msgpack.unpackb(coord.broadcast(f"{save_id}/commit", commit))
-    except CheckpointError as e:
-        raise CheckpointError(
-            f"save to {final}: every process wrote its part, but the outcome of the commit is unknown "
-            f"here (check for {final} before relying on it): {e}"
-        ) from None
-    if error is not None:
-        raise error
-    if outcome["error"]:
-        raise CheckpointError(f"save to {final} failed, nothing committed: {outcome['error']}")
+        def commit() -> bytes:
+            failed = {p: s["error"] for p, s in enumerate(statuses) if s["error"]}
+            if failed:
+                self._abort()
+                return msgpack.packb({"error": "; ".join(f"process {p}: {e}" for p, e in failed.items())})
+            try:
+                self._commit(statuses)
+                return msgpack.packb({"error": None})
+            except BaseException as e:
+                self._abort()
+                return msgpack.packb({"error": f"commit failed: {type(e).__name__}: {e}"})
 
+        try:
+            outcome = msgpack.unpackb(coord.broadcast(f"{self.save_id}/commit", commit))
+        except CheckpointError as e:
+            raise CheckpointError(
+                f"save to {final}: every process wrote its part, but the outcome of the commit is unknown "
+                f"here (check for {final} before relying on it): {e}"
+            ) from None
+        if error is not None:
+            raise error
+        if outcome["error"]:
+            raise CheckpointError(f"save to {final} failed, nothing committed: {outcome['error']}")
 
-def _commit_manifest(tmp, final, overwrite, encoding, leaves, statuses, user_metadata) -> None:
-    from ckpt import __version__
+    def _commit(self, statuses: list[dict]) -> None:
+        from ckpt import __version__
 
-    collected: dict[int, dict[int, int]] = {}
-    for s in statuses:
-        for leaf, flat, crc in s["sums"]:
-            collected.setdefault(leaf, {})[flat] = crc
-    for i, leaf in enumerate(leaves):
-        st = leaf.record.storage
-        if not st or st["type"] != "zarr":
-            continue
-        n = int(np.prod(chunk_grid(leaf.record.shape, leaf.chunk_shape)))
-        got = collected.get(i, {})
-        if len(got) != n:
-            raise CheckpointError(f"leaf {leaf.record.path!r}: {len(got)} of {n} chunks were written")
-        st["chunk_checksums"] = [got[k] for k in range(n)]
-    manifest = Manifest(encoding, [l.record for l in leaves], user_metadata=user_metadata,
-                        library_version=__version__)
-    commit_checkpoint(tmp, final, manifest, overwrite=overwrite)
+        collected: dict[int, dict[int, int]] = {}
+        for s in statuses:
+            for leaf, flat, crc in s["sums"]:
+                collected.setdefault(leaf, {})[flat] = crc
+        records = []
+        for i, leaf in enumerate(self.leaves):
+            rec = leaf.record
+            st = rec.storage
+            if st and st["type"] == "zarr":
+                n = int(np.prod(chunk_grid(rec.shape, leaf.chunk_shape)))
+                got = collected.get(i, {})
+                if len(got) != n:
+                    raise CheckpointError(f"leaf {rec.path!r}: {len(got)} of {n} chunks were written")
+                st = {**st, "path": self.staged.prefix + st["path"], "chunk_checksums": [got[k] for k in range(n)]}
+                rec = LeafRecord(rec.path, rec.kind, rec.shape, rec.dtype, rec.sharding, st, rec.value, rec.prng_impl)
+            records.append(rec)
+        manifest = Manifest(self.encoding, records, user_metadata=self.user_metadata, library_version=__version__)
+        commit_checkpoint(self.storage, self.staged, manifest, overwrite=self.overwrite)

@@ -7,7 +7,6 @@ delete or overwrite the arrays.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from typing import Any, Iterator, Sequence
@@ -16,7 +15,7 @@ import jax
 import numpy as np
 
 from ckpt._plan import HOST, ShardWrite
-from ckpt._storage import aligned_empty
+from ckpt.storage import aligned_empty
 
 
 class HostBufferPool:
@@ -27,13 +26,13 @@ class HostBufferPool:
     ~15x when the host has reclaimed the pages). The pool holds at most the buffers of the last
     save that returned them, and only buffers nothing else references any more. Used for the
     CPU backend, where the copy is a memcpy; on accelerators the library keeps the buffer that
-    ``copy_to_host_async`` filled. ``CKPT_STAGING_POOL=0`` turns it off.
+    ``copy_to_host_async`` filled. ``Options(staging_pool=False)`` (``CKPT_STAGING_POOL=0``) turns
+    it off.
     """
 
     def __init__(self) -> None:
         self._free: dict[int, list[np.ndarray]] = {}
         self._lock = threading.Lock()
-        self.enabled = os.environ.get("CKPT_STAGING_POOL", "1") != "0"
 
     def take(self, nbytes: int) -> np.ndarray:
         with self._lock:
@@ -82,7 +81,7 @@ def start_copies(sources: dict[int, Any], writes: Sequence[ShardWrite]) -> list[
 def owned_copy(x: Any, buffers: list[np.ndarray] | None = None) -> np.ndarray:
     """A host array the library owns, whatever happens to `x` afterwards.
 
-    When `buffers` is given and the pool is on, the copy goes into a pooled buffer, which is
+    When `buffers` is given (the pool is on), the copy goes into a pooled buffer, which is
     appended to `buffers` so the save can give it back when its writes are done.
     """
     if isinstance(x, jax.Array) and x.devices().pop().platform != "cpu":
@@ -90,7 +89,7 @@ def owned_copy(x: Any, buffers: list[np.ndarray] | None = None) -> np.ndarray:
         return np.asarray(x)
     # On the CPU backend np.asarray is a view of the device buffer, which donation overwrites.
     src = np.asarray(x)
-    if buffers is None or not POOL.enabled or src.nbytes == 0:
+    if buffers is None or src.nbytes == 0:
         return np.array(src, copy=True)
     buf = POOL.take(src.nbytes)
     buffers.append(buf)

@@ -7,12 +7,10 @@ because every longer name is a larger step). ``step_00000100.tmp-<token>`` is a 
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
-from ckpt._commit import is_temp_name
-from ckpt._manifest import MANIFEST_NAME
+from ckpt.storage import MANIFEST_NAME, Storage, is_temp_name
 
 _STEP = re.compile(r"^step_(\d{8,})$")
 _STEP_ANY = re.compile(r"^step_(\d{8,})(\.tmp-.*)?$")
@@ -33,23 +31,20 @@ def parse_step(name: str) -> int | None:
 @dataclass(frozen=True)
 class StepEntry:
     step: int
-    path: str
+    name: str  # the entry's name in the manager directory
+    path: str  # its full location, for messages
     committed: bool  # has a manifest and is not a temporary directory
 
 
-def scan_steps(directory: str) -> list[StepEntry]:
-    """Every step directory (committed or not, temporary ones included), sorted by step."""
+def scan_steps(directory: Storage) -> list[StepEntry]:
+    """Every step entry (committed or not, temporary ones included), sorted by step."""
     out = []
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    for name in names:
+    files, dirs = directory.list_dir("")
+    for name in dirs + files:
         m = _STEP_ANY.match(name)
         if not m:
             continue
-        path = os.path.join(directory, name)
-        committed = not is_temp_name(name) and os.path.isfile(os.path.join(path, MANIFEST_NAME))
-        out.append(StepEntry(int(m.group(1)), path, committed))
-    out.sort(key=lambda e: (e.step, e.path))
+        committed = not is_temp_name(name) and name in dirs and directory.exists(f"{name}/{MANIFEST_NAME}")
+        out.append(StepEntry(int(m.group(1)), name, directory.where(name), committed))
+    out.sort(key=lambda e: (e.step, e.name))
     return out

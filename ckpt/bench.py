@@ -224,7 +224,7 @@ def run(gib: float, runs: int, root: str, train: bool) -> dict:
     from jax.sharding import NamedSharding, SingleDeviceSharding
 
     import ckpt
-    from ckpt._storage import IO_CONCURRENCY
+    IO_CONCURRENCY = ckpt.Options().resolved().io_concurrency
 
     mesh = jax.make_mesh((4, 2), ("x", "y"))
     tree = _make_tree(gib, mesh)

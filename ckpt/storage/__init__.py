@@ -1,0 +1,18 @@
+"""Storage: everything that touches bytes, locations, listing and deletion (docs/storage.md).
+
+``open_storage(location, options)`` picks the engine for a location: ``local`` (a POSIX
+directory: direct I/O, rename commit), ``tensorstore`` (any TensorStore kvstore: memory, s3,
+gcs, file) or ``fsspec`` (zarr-python's FsspecStore over any fsspec file system). All share the
+``Storage`` interface and the commit defined in ``_base``.
+"""
+
+from ckpt.storage._base import (
+    GENERATION_MARK, MANIFEST_NAME, TEMP_MARK, ArraySpec, Staged, Storage, aligned_empty, is_temp_name,
+)
+from ckpt.storage._location import ENGINES, default_engine, location_text, open_storage
+from ckpt.storage._wrapper import WrapperStorage
+
+__all__ = [
+    "ENGINES", "GENERATION_MARK", "MANIFEST_NAME", "TEMP_MARK", "ArraySpec", "Staged", "Storage", "WrapperStorage",
+    "aligned_empty", "default_engine", "is_temp_name", "location_text", "open_storage",
+]
