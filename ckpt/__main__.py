@@ -2,6 +2,6 @@
 
 import sys
 
-from ckpt._cli import main
+from ckpt.cli import main
 
 sys.exit(main())

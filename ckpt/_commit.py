@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Protocol
 from ckpt._errors import CheckpointError
 from ckpt._manifest import Manifest
 from ckpt._manifest_check import check_manifest
-from ckpt.storage import MANIFEST_NAME, TEMP_MARK, Staged, Storage, is_temp_name
+from ckpt.storage import GENERATION_MARK, MANIFEST_NAME, TEMP_MARK, Staged, Storage, is_temp_name
 
 # A manifest holds one record per leaf plus arrays of at most INLINE_LIMIT bytes; nothing a
 # real tree produces comes near this, and nothing larger is ever read.
@@ -120,9 +120,8 @@ def _old_data(storage: Storage) -> Callable[[], Iterable[str]]:
             old = read_manifest(storage)
         except (OSError, CheckpointError):
             return []
-        tops = {l.storage["path"].split("/", 1)[0] for l in old.leaves
-                if isinstance(l.storage, dict) and l.storage.get("type") == "zarr"}
-        flat = [t for t in tops if not t.startswith("gen-")]
+        tops = {l.zarr.path.split("/", 1)[0] for l in old.leaves if l.zarr is not None}
+        flat = [t for t in tops if not t.startswith(GENERATION_MARK)]
         return sorted(tops) + (["zarr.json"] if flat else [])
 
     return entries

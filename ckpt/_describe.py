@@ -15,7 +15,7 @@ from ckpt._errors import CheckpointError
 from ckpt._layout import describe_sharding, full_box, index_to_box
 from ckpt._manifest import (
     INLINE_LIMIT, JAX_ARRAY, NUMPY, NUMPY_SCALAR, PRNG_KEY, PY_BOOL, PY_BYTES, PY_COMPLEX, PY_FLOAT,
-    PY_INT, PY_STR, LeafRecord,
+    PY_INT, PY_STR, InlineStorage, LeafRecord, ZarrStorage,
 )
 from ckpt._plan import HOST, ArrayShards
 from ckpt._tree import FlatLeaf, display_path
@@ -30,7 +30,7 @@ class Leaf:
 
 
 def _inline_record(rec: LeafRecord, host: np.ndarray) -> None:
-    rec.storage = {"type": "inline", "data": _dtypes.to_storage(host).tobytes()}
+    rec.storage = InlineStorage(_dtypes.to_storage(host).tobytes())
 
 
 def describe(leaf: FlatLeaf, process_count: int) -> Leaf:
@@ -96,15 +96,8 @@ def finish_array_records(leaves: list[Leaf], paths: list[str]) -> None:
         if leaf.source is None:
             continue
         storage_dtype, encoding = _dtypes.storage_of(leaf.logical_dtype)
-        leaf.record.storage = {
-            "type": "zarr",
-            "path": spath,
-            "chunk_shape": list(leaf.chunk_shape),
-            "data_type": storage_dtype.name,
-            "encoding": encoding,
-            "checksum": ALGORITHM,
-            "chunk_checksums": None,  # filled in at commit
-        }
+        # chunk_checksums are filled in at commit.
+        leaf.record.storage = ZarrStorage(spath, tuple(leaf.chunk_shape), storage_dtype.name, encoding, ALGORITHM)
 
 
 def array_shards(leaves: list[Leaf]) -> list[ArrayShards]:

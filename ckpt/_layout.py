@@ -108,6 +108,24 @@ def spec_axes(entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def mesh_fit_problem(shape: Sequence[int], spec: Iterable, axis_names: Sequence[str],
+                     axis_sizes: Sequence[int]) -> str | None:
+    """Why a saved PartitionSpec cannot lay out an array of `shape` on a mesh with these axes
+    (an axis the mesh lacks, or a dimension its axes do not divide), or None when it can.
+    The one check restore(mesh=) and `ckpt plan` both make."""
+    sizes = dict(zip(axis_names, axis_sizes))
+    for dim, entry in enumerate(spec):
+        axes = spec_axes(entry)
+        for a in axes:
+            if a not in sizes:
+                return f"saved PartitionSpec uses mesh axis {a!r}, which the mesh {tuple(axis_names)} does not have"
+        parts = math.prod(sizes[a] for a in axes)
+        if shape[dim] % parts:
+            return (f"dimension {dim} of size {shape[dim]} cannot be split over mesh axis "
+                    f"{'x'.join(axes)} of size {parts}")
+    return None
+
+
 @dataclass(frozen=True)
 class ShardingInfo:
     """How an array was sharded when saved, in terms that do not need the devices.

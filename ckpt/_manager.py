@@ -2,10 +2,11 @@
 with retention, resume and crash safety.
 
 Every step is a plain checkpoint at ``<directory>/step_<8+ digits>`` that ``ckpt.restore`` and
-``ckpt.metadata`` open directly. A step is committed once its directory exists under that name
-(the save protocol renames a finished temporary directory into place), so ``all_steps()`` is a
-directory listing; ``.tmp-`` directories are saves that never committed, or steps half-deleted,
-and the next manager removes them.
+``ckpt.metadata`` open directly; the directory may be any location (docs/storage.md). A step is
+committed once its manifest exists (formats/SPEC.md sections 9-10), so ``all_steps()`` lists the
+directory and checks for manifests; ``.tmp-`` directories (local disk) and step prefixes without
+a manifest (elsewhere) are saves that never committed, or steps half-deleted, and the next
+manager removes them.
 
 Multi-process jobs: every process creates a manager on the same shared directory and calls the
 same methods in the same order. Decisions every process must agree on (``should_save``, whether

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from ckpt._errors import CheckpointError
 
@@ -31,14 +32,45 @@ ARRAY_KINDS = (JAX_ARRAY, NUMPY, PRNG_KEY, NUMPY_SCALAR)
 INLINE_LIMIT = 4096
 
 
+@dataclass(frozen=True)
+class InlineStorage:
+    """An array stored inside the manifest: its little-endian storage-dtype bytes."""
+
+    data: bytes
+
+    def to_record(self) -> dict:
+        return {"type": "inline", "data": self.data}
+
+
+@dataclass(frozen=True)
+class ZarrStorage:
+    """An array stored as a Zarr v3 array at `path` (relative to the checkpoint)."""
+
+    path: str
+    chunk_shape: tuple[int, ...]
+    data_type: str  # the storage dtype's name
+    encoding: str
+    checksum: str = "crc32c"
+    chunk_checksums: tuple[int, ...] = ()  # row-major over the chunk grid; filled at commit
+
+    def to_record(self) -> dict:
+        return {"type": "zarr", "path": self.path, "chunk_shape": list(self.chunk_shape),
+                "data_type": self.data_type, "encoding": self.encoding, "checksum": self.checksum,
+                "chunk_checksums": list(self.chunk_checksums)}
+
+    @classmethod
+    def from_record(cls, rec: dict) -> "ZarrStorage":
+        return cls(rec["path"], tuple(rec["chunk_shape"]), rec["data_type"], rec["encoding"],
+                   rec["checksum"], tuple(rec["chunk_checksums"]))
+
+
 @dataclass
 class LeafRecord:
     """One leaf as the manifest records it.
 
     For array kinds, `shape` and `dtype` are those of the stored data (for PRNG keys: the key
-    data, e.g. uint32 with a trailing dimension of 2). `storage` is either
-    {"type": "inline", "data": <bytes>} or {"type": "zarr", "path", "chunk_shape", "data_type",
-    "encoding", "checksum", "chunk_checksums"}.
+    data, e.g. uint32 with a trailing dimension of 2). `storage` is an InlineStorage or a
+    ZarrStorage (a raw map only between decoding and ``check_manifest``, which types it).
     """
 
     path: str
@@ -46,14 +78,15 @@ class LeafRecord:
     shape: tuple[int, ...] | None = None
     dtype: str | None = None
     sharding: dict | None = None
-    storage: dict | None = None
+    storage: InlineStorage | ZarrStorage | dict | None = None
     value: Any = None
     prng_impl: str | None = None
 
     def to_record(self) -> dict:
         rec: dict = {"path": self.path, "kind": self.kind}
         if self.kind in ARRAY_KINDS:
-            rec.update(shape=list(self.shape), dtype=self.dtype, sharding=self.sharding, storage=self.storage)
+            storage = self.storage.to_record() if hasattr(self.storage, "to_record") else self.storage
+            rec.update(shape=list(self.shape), dtype=self.dtype, sharding=self.sharding, storage=storage)
             if self.prng_impl is not None:
                 rec["prng_impl"] = self.prng_impl
         else:
@@ -72,6 +105,36 @@ class LeafRecord:
             value=rec.get("value"),
             prng_impl=rec.get("prng_impl"),
         )
+
+    @property
+    def zarr(self) -> ZarrStorage | None:
+        """The Zarr storage of a validated array record, None when inline (or not an array)."""
+        return self.storage if isinstance(self.storage, ZarrStorage) else None
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        """The chunk shape reads plan with: the Zarr chunks, or one chunk for inline data (at
+        least 1 per dimension, for empty arrays)."""
+        if self.zarr is not None:
+            return self.zarr.chunk_shape
+        return tuple(max(1, n) for n in self.shape)
+
+    def inline_array(self) -> np.ndarray:
+        """The value of an inline array record, in its logical dtype."""
+        from ckpt import _dtypes
+
+        logical = _dtypes.dtype_from_name(self.dtype)
+        storage_dtype, _ = _dtypes.storage_of(logical)
+        a = np.frombuffer(self.storage.data, dtype=storage_dtype.newbyteorder("<")).reshape(self.shape)
+        return _dtypes.from_storage(a.astype(storage_dtype), logical)
+
+    def py_value(self) -> Any:
+        """The Python value of a non-array leaf."""
+        if self.kind == PY_INT:
+            return int(self.value)
+        if self.kind == PY_COMPLEX:
+            return complex(self.value[0], self.value[1])
+        return self.value
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import Any
 from ckpt import _dtypes
 from ckpt._errors import CheckpointError
 from ckpt._layout import chunk_grid
-from ckpt._manifest import ARRAY_KINDS, Manifest
+from ckpt._manifest import ARRAY_KINDS, InlineStorage, Manifest, ZarrStorage
 from ckpt._tree import CUSTOM, DICT, LEAF, LIST, NONE, TUPLE, display_path
 
 VALUE_KINDS = ("int", "float", "bool", "complex", "str", "bytes")
@@ -69,7 +69,7 @@ def _check_sharding(sharding: Any, ndim: int) -> None:
             raise ValueError(f"PartitionSpec entry {entry!r} names an axis the mesh {names} does not have")
 
 
-def _check_storage(storage: Any, shape: list[int], logical: str) -> None:
+def _check_storage(storage: Any, shape: list[int], logical: str) -> InlineStorage | ZarrStorage:
     storage_dtype, encoding = _dtypes.storage_of(_dtypes.dtype_from_name(logical))
     if not isinstance(storage, dict) or storage.get("type") not in ("inline", "zarr"):
         raise ValueError("storage is neither 'inline' nor 'zarr'")
@@ -78,7 +78,7 @@ def _check_storage(storage: Any, shape: list[int], logical: str) -> None:
         if not isinstance(data, bytes) or len(data) != want:
             got = len(data) if isinstance(data, bytes) else type(data).__name__
             raise ValueError(f"inline data has {got} bytes, expected {want}")
-        return
+        return InlineStorage(data)
     path, chunk_shape = storage.get("path"), storage.get("chunk_shape")
     if not isinstance(path, str) or not path or path.startswith("/") or ".." in path.split("/"):
         raise ValueError(f"storage path {path!r} is not a relative path inside the checkpoint")
@@ -95,6 +95,7 @@ def _check_storage(storage: Any, shape: list[int], logical: str) -> None:
     if not isinstance(sums, list) or len(sums) != want or not all(_is_int(s) and 0 <= s < 2**32 for s in sums):
         got = len(sums) if isinstance(sums, list) else type(sums).__name__
         raise ValueError(f"chunk_checksums has {got} entries, expected {want} 32-bit values")
+    return ZarrStorage.from_record(storage)
 
 
 def _check_leaf(rec) -> None:
@@ -115,11 +116,13 @@ def _check_leaf(rec) -> None:
     if rec.kind == "prng_key" and not isinstance(rec.prng_impl, str):
         raise ValueError("PRNG key leaf has no 'prng_impl'")
     _check_sharding(rec.sharding, len(rec.shape))
-    _check_storage(rec.storage, list(rec.shape), rec.dtype)
+    if not isinstance(rec.storage, (InlineStorage, ZarrStorage)):
+        rec.storage = _check_storage(rec.storage, list(rec.shape), rec.dtype)
 
 
 def check_manifest(manifest: Manifest, where: str) -> Manifest:
-    """Raise CheckpointError naming the first field that breaks the format; return `manifest`."""
+    """Raise CheckpointError naming the first field that breaks the format; return `manifest`,
+    its records' storage now typed (InlineStorage / ZarrStorage)."""
     try:
         seen: list[int] = []
         _check_tree(manifest.tree, "", seen)

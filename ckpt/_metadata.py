@@ -13,7 +13,7 @@ from ckpt import _dtypes
 from ckpt._commit import read_manifest
 from ckpt._layout import ShardingInfo
 from ckpt._manifest import ARRAY_KINDS, PRNG_KEY, LeafRecord
-from ckpt._restore import logical_shape, py_value
+from ckpt._restore import logical_shape
 from ckpt._options import Options, resolve
 from ckpt._tree import unflatten
 from ckpt.storage import open_storage
@@ -61,17 +61,17 @@ def array_metadata(rec: LeafRecord) -> ArrayMetadata:
         names, sizes, spec = info.axis_names, info.axis_sizes, PartitionSpec(*info.spec)
     elif info is not None and info.kind == "single_device":
         names, sizes, spec = (), (), PartitionSpec()
-    zarr = rec.storage["type"] == "zarr"
+    zarr = rec.zarr
     return ArrayMetadata(
         shape=tuple(logical_shape(rec)),
         dtype=dtype,
         mesh_axis_names=names,
         mesh_axis_sizes=sizes,
         partition_spec=spec,
-        chunk_shape=tuple(rec.storage["chunk_shape"]) if zarr else None,
+        chunk_shape=zarr.chunk_shape if zarr else None,
         nbytes=math.prod(rec.shape) * data_dtype.itemsize,
         kind=rec.kind,
-        storage_path=rec.storage["path"] if zarr else None,
+        storage_path=zarr.path if zarr else None,
     )
 
 
@@ -80,7 +80,7 @@ def metadata(path, *, options: Options | None = None) -> Any:
     small non-array leaves (numbers, strings). Reads only the manifest."""
     opts = resolve(options)
     manifest = read_manifest(open_storage(path, opts))
-    values = [array_metadata(r) if r.kind in ARRAY_KINDS else py_value(r) for r in manifest.leaves]
+    values = [array_metadata(r) if r.kind in ARRAY_KINDS else r.py_value() for r in manifest.leaves]
     return unflatten(manifest.tree, values)
 
 

@@ -20,7 +20,7 @@ from ckpt._commit import read_manifest
 from ckpt._errors import CheckpointError, ChecksumError
 from ckpt._layout import (
     Box, ShardingInfo, box_shape, chunk_grid, chunk_key, flat_chunk_index, full_box, index_to_box, intersect,
-    normalize_spec, relative, spec_axes,
+    mesh_fit_problem, normalize_spec, relative,
 )
 from ckpt._manifest import ARRAY_KINDS, NUMPY_SCALAR, PRNG_KEY, LeafRecord
 from ckpt._options import Options, resolve
@@ -44,16 +44,6 @@ class RestoreStats:
     bytes_needed: int = 0
     chunks_read: int = 0
     per_leaf: dict = field(default_factory=dict)
-
-
-def py_value(rec: LeafRecord) -> Any:
-    """The Python value of a non-array leaf."""
-    v = rec.value
-    if rec.kind == "int":
-        return int(v)
-    if rec.kind == "complex":
-        return complex(v[0], v[1])
-    return v
 
 
 def _key_trailing(impl: str) -> int:
@@ -112,35 +102,11 @@ def _want_for_mesh(i: int, rec: LeafRecord, mesh: jax.sharding.Mesh) -> _Want | 
         spec = info.spec
     else:
         raise CheckpointError(f"leaf {name!r} was saved with a sharding that has no PartitionSpec; pass a target")
-    sizes = dict(mesh.shape)
-    for dim, entry in enumerate(spec):
-        axes = spec_axes(entry)
-        for a in axes:
-            if a not in sizes:
-                raise CheckpointError(
-                    f"leaf {name!r}: saved PartitionSpec uses mesh axis {a!r}, which the mesh "
-                    f"{tuple(mesh.axis_names)} does not have"
-                )
-        parts = math.prod(sizes[a] for a in axes)
-        if shape[dim] % parts:
-            raise CheckpointError(
-                f"leaf {name!r}: dimension {dim} of size {shape[dim]} cannot be split over mesh "
-                f"axis {'x'.join(axes)} of size {parts}"
-            )
+    names = tuple(mesh.axis_names)
+    why = mesh_fit_problem(shape, spec, names, tuple(mesh.shape[a] for a in names))
+    if why is not None:
+        raise CheckpointError(f"leaf {name!r}: {why}")
     return _Want(i, NamedSharding(mesh, PartitionSpec(*spec)), dtype)
-
-
-def _chunk_shape(rec: LeafRecord) -> tuple[int, ...]:
-    if rec.storage["type"] == "zarr":
-        return tuple(rec.storage["chunk_shape"])
-    return tuple(max(1, n) for n in rec.shape)  # inline: one chunk, the whole array
-
-
-def _inline_array(rec: LeafRecord) -> np.ndarray:
-    logical = _dtypes.dtype_from_name(rec.dtype)
-    storage_dtype, _ = _dtypes.storage_of(logical)
-    a = np.frombuffer(rec.storage["data"], dtype=storage_dtype.newbyteorder("<")).reshape(rec.shape)
-    return _dtypes.from_storage(a.astype(storage_dtype), logical)
 
 
 class _Reader:
@@ -158,7 +124,7 @@ class _Reader:
         else:
             sharding = _key_data_sharding(want.sharding, rec) if rec.kind == PRNG_KEY else want.sharding
             boxes = [index_to_box(idx, rec.shape) for idx in sharding.addressable_devices_indices_map(rec.shape).values()]
-        return plan_leaf_read(want.index, rec.shape, _chunk_shape(rec), _dtypes.dtype_from_name(rec.dtype).itemsize, boxes)
+        return plan_leaf_read(want.index, rec.shape, rec.chunk_shape, _dtypes.dtype_from_name(rec.dtype).itemsize, boxes)
 
     def run(self, wants: list[_Want]) -> dict[int, Any]:
         plans = [self.plan(w) for w in wants]
@@ -181,14 +147,14 @@ class _Reader:
         try:
             for p in plans:
                 rec = self.leaves[p.leaf]
-                if rec.storage["type"] == "zarr":
+                if rec.zarr is not None:
                     for c in p.chunks:
                         futures[(p.leaf, c.index)] = pool.submit(self._read_chunk, rec, c)
             out = {}
             for p in plans:
                 rec = self.leaves[p.leaf]
                 self.stats.bytes_needed += p.bytes_needed
-                if rec.storage["type"] == "zarr":
+                if rec.zarr is not None:
                     chunks = {c.index: futures.pop((p.leaf, c.index)).result() for c in p.chunks}
                     self.stats.bytes_read += p.bytes_read
                     self.stats.chunks_read += len(p.chunks)
@@ -196,7 +162,7 @@ class _Reader:
                     out[p.leaf] = {r.box: _assemble(r.box, r.chunks, chunks, p) for r in p.regions}
                 else:
                     self.stats.per_leaf[rec.path] = (0, p.bytes_needed)
-                    whole = _dtypes.to_storage(_inline_array(rec))
+                    whole = _dtypes.to_storage(rec.inline_array())
                     # `...` keeps a 0-d region an array (indexing it with () would give a scalar).
                     out[p.leaf] = {r.box: whole[relative(r.box, full_box(rec.shape)) + (...,)] for r in p.regions}
         finally:
@@ -204,25 +170,29 @@ class _Reader:
         return out
 
     def _read_chunk(self, rec: LeafRecord, c) -> np.ndarray:
-        st = rec.storage
-        file = self.storage.where(f"{st['path']}/{chunk_key(c.index)}")
+        st = rec.zarr
+        file = self.storage.where(f"{st.path}/{chunk_key(c.index)}")
         where = f"leaf {display_path(rec.path)!r}, chunk {list(c.index)} ({file})"
-        dtype = np.dtype(st["data_type"]).newbyteorder("<")
-        shape = box_shape(c.box)
+        dtype = np.dtype(st.data_type).newbyteorder("<")
+        chunk_shape, shape = st.chunk_shape, box_shape(c.box)
         try:
-            raw = self.storage.read_chunk(st["path"], c.index, math.prod(shape) * dtype.itemsize)
-            a = raw.view(dtype).reshape(shape)
+            # A chunk file always holds the whole chunk shape; an edge chunk's part outside the
+            # array is padding, which the checksum does not cover.
+            raw = self.storage.read_chunk(st.path, c.index, math.prod(chunk_shape) * dtype.itemsize)
+            a = raw.view(dtype).reshape(chunk_shape)
+            if shape != chunk_shape:
+                a = np.ascontiguousarray(a[tuple(slice(0, n) for n in shape)])
         except FileNotFoundError:
             raise CheckpointError(f"{where}: chunk file is missing") from None
         except (OSError, CheckpointError) as e:
             raise CheckpointError(f"{where}: cannot read: {e}") from None
         if self.verify:
-            grid = chunk_grid(rec.shape, st["chunk_shape"])
-            want = st["chunk_checksums"][flat_chunk_index(c.index, grid)]
+            grid = chunk_grid(rec.shape, st.chunk_shape)
+            want = st.chunk_checksums[flat_chunk_index(c.index, grid)]
             got = chunk_checksum(a)
             if got != want:
                 raise ChecksumError(display_path(rec.path), c.index, file,
-                                    f"{st['checksum']} is {got:#010x}, expected {want:#010x}")
+                                    f"{st.checksum} is {got:#010x}, expected {want:#010x}")
         return a
 
     def _place(self, rec: LeafRecord, want: _Want, regions: dict[Box, np.ndarray]) -> Any:
@@ -272,7 +242,7 @@ def read_regions(path, leaf_path: str, boxes: list[Box], *, verify: bool = True,
         raise CheckpointError(f"leaf {leaf_path!r} is not an array")
     stats = RestoreStats()
     reader = _Reader(storage, manifest.leaves, verify, stats, opts)
-    plan = plan_leaf_read(i, rec.shape, _chunk_shape(rec), _dtypes.dtype_from_name(rec.dtype).itemsize, boxes)
+    plan = plan_leaf_read(i, rec.shape, rec.chunk_shape, _dtypes.dtype_from_name(rec.dtype).itemsize, boxes)
     logical = _dtypes.dtype_from_name(rec.dtype)
     regions = reader.read([plan])[i]
     return {b: _dtypes.from_storage(a, logical) for b, a in regions.items()}, stats
@@ -296,7 +266,7 @@ def restore_with_stats(path, target=None, *, mesh=None, partial=False, verify=Tr
         wants = [_want_from_target(i, leaves[i], t) for i, t in pairs]
     stats = RestoreStats()
     built = _Reader(storage, leaves, verify, stats, opts).run([w for w in wants if w is not None])
-    values = [built[i] if i in built else py_value(leaves[i]) for i, _ in pairs]
+    values = [built[i] if i in built else leaves[i].py_value() for i, _ in pairs]
     if target is None:
         return unflatten(manifest.tree, values), stats
     return jtu.tree_unflatten(treedef, values), stats

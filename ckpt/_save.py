@@ -4,6 +4,8 @@ background. ``save`` is ``save_async(...).wait()``; there is one save path.
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import hashlib
 import queue
 import threading
@@ -67,7 +69,7 @@ class SaveHandle:
 def _fingerprint(final: str, overwrite: bool, tree: dict, leaves: list[Leaf]) -> bytes:
     view = [
         [l.record.path, l.record.kind, list(l.record.shape or ()), l.record.dtype, l.record.sharding,
-         (l.record.storage or {}).get("type")]
+         type(l.record.storage).__name__]
         for l in leaves
     ]
     return hashlib.sha256(msgpack.packb([final, overwrite, tree, view], use_bin_type=True)).digest()
@@ -98,9 +100,9 @@ def _group_metadata_puts(storage: Storage, leaves: list[Leaf]) -> list:
     (written concurrently, each fsynced by the engine)."""
     groups = {""}
     for leaf in leaves:
-        st = leaf.record.storage
-        if st and st["type"] == "zarr":
-            parts = st["path"].split("/")
+        st = leaf.record.zarr
+        if st is not None:
+            parts = st.path.split("/")
             groups.update("/".join(parts[:k]) for k in range(1, len(parts)))
     return [storage.put_group(g) for g in sorted(groups)]
 
@@ -197,12 +199,12 @@ def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, pri
     """
     specs = {}
     for i, leaf in enumerate(leaves):
-        st = leaf.record.storage
-        if st and st["type"] == "zarr":
-            attrs = {"jax_ckpt": {"path": leaf.record.path, "dtype": leaf.record.dtype, "encoding": st["encoding"]}}
+        st = leaf.record.zarr
+        if st is not None:
+            attrs = {"jax_ckpt": {"path": leaf.record.path, "dtype": leaf.record.dtype, "encoding": st.encoding}}
             specs[i] = ArraySpec(tuple(leaf.record.shape), tuple(leaf.chunk_shape),
-                                 np.dtype(st["data_type"]), attrs)
-    handles = storage.open_arrays({i: (leaves[i].record.storage["path"], spec) for i, spec in specs.items()})
+                                 np.dtype(st.data_type), attrs)
+    handles = storage.open_arrays({i: (leaves[i].record.zarr.path, spec) for i, spec in specs.items()})
     sums: dict[int, dict[int, int]] = {}
     unsummed: list = []  # (leaf, flat chunk index, data) still to checksum
     inflight: deque = deque()
@@ -240,7 +242,7 @@ def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, pri
         checksum_pending()
         if primary:
             # Metadata last: the small fsynced files then overlap the chunk writes in flight.
-            created = [storage.create_array(leaves[i].record.storage["path"], spec) for i, spec in specs.items()]
+            created = [storage.create_array(leaves[i].record.zarr.path, spec) for i, spec in specs.items()]
             created += _group_metadata_puts(storage, leaves)
         for fut, _ in inflight:
             fut.result()
@@ -314,8 +316,14 @@ class _SaveJob:
                 self._commit(statuses)
                 return msgpack.packb({"error": None})
             except BaseException as e:
-                self._abort()
-                return msgpack.packb({"error": f"commit failed: {type(e).__name__}: {e}"})
+                # A lost race (another save committed here first) stays a FileExistsError. Where
+                # the manifest write may have landed (a put whose answer was lost), deleting the
+                # staged data could break a committed checkpoint; data that no manifest points to
+                # is only a leftover, so it stays.
+                if self.storage.renames or isinstance(e, FileExistsError):
+                    self._abort()
+                return msgpack.packb({"error": f"commit failed: {type(e).__name__}: {e}",
+                                      "exists": isinstance(e, FileExistsError)})
 
         try:
             outcome = msgpack.unpackb(coord.broadcast(f"{self.save_id}/commit", commit))
@@ -326,6 +334,10 @@ class _SaveJob:
             ) from None
         if error is not None:
             raise error
+        if outcome.get("exists"):
+            raise FileExistsError(
+                errno.EEXIST, "another save committed a checkpoint here first; this one committed nothing "
+                "(pass overwrite=True to replace it)", final)
         if outcome["error"]:
             raise CheckpointError(f"save to {final} failed, nothing committed: {outcome['error']}")
 
@@ -339,13 +351,14 @@ class _SaveJob:
         records = []
         for i, leaf in enumerate(self.leaves):
             rec = leaf.record
-            st = rec.storage
-            if st and st["type"] == "zarr":
+            st = rec.zarr
+            if st is not None:
                 n = int(np.prod(chunk_grid(rec.shape, leaf.chunk_shape)))
                 got = collected.get(i, {})
                 if len(got) != n:
                     raise CheckpointError(f"leaf {rec.path!r}: {len(got)} of {n} chunks were written")
-                st = {**st, "path": self.staged.prefix + st["path"], "chunk_checksums": [got[k] for k in range(n)]}
+                st = dataclasses.replace(st, path=self.staged.prefix + st.path,
+                                         chunk_checksums=tuple(got[k] for k in range(n)))
                 rec = LeafRecord(rec.path, rec.kind, rec.shape, rec.dtype, rec.sharding, st, rec.value, rec.prng_impl)
             records.append(rec)
         manifest = Manifest(self.encoding, records, user_metadata=self.user_metadata, library_version=__version__)

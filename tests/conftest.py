@@ -1,4 +1,7 @@
-"""Every test process gets 8 simulated CPU devices; this must run before jax is imported."""
+"""Every test process gets 8 simulated CPU devices; this must run before jax is imported.
+
+Fixtures: ``location`` / ``module_location`` run a test (or a module's shared checkpoints) once
+on local disk and once on ``memory://`` (support.Location)."""
 
 import os
 
@@ -6,3 +9,25 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+from support import Location  # noqa: E402
+
+LOCATION_KINDS = ["local", "memory"]
+
+
+@pytest.fixture(params=LOCATION_KINDS)
+def location(request, tmp_path):
+    """A fresh place for this test's checkpoints: tmp_path, or a unique memory:// prefix."""
+    loc = Location.make(request.param, tmp_path)
+    yield loc
+    loc.cleanup()
+
+
+@pytest.fixture(scope="module", params=LOCATION_KINDS)
+def module_location(request, tmp_path_factory):
+    """As `location`, shared by a module's tests (one setup per kind)."""
+    loc = Location.make(request.param, tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]))
+    yield loc
+    loc.cleanup()

@@ -1,5 +1,6 @@
-"""Trees, checks and storage hooks shared by the multi-process tests (test_multihost.py) and the
-processes they launch. Every process computes the same global values on its own."""
+"""Trees, checks and storage hooks (through ckpt.Options) shared by the multi-process tests
+(test_multihost.py) and the processes they launch. Every process computes the same global values
+on its own."""
 
 from __future__ import annotations
 
@@ -126,19 +127,12 @@ def restore_checks(w: Worker, tag: str, path: str, arrays: dict, mesh: Mesh) -> 
     w.report(check=f"{tag}-swapped", bad=bad, shards=n)
 
 
-def hook_writes(before: Callable[[np.ndarray], None]) -> Callable[[], None]:
-    """Call `before()` ahead of every chunk write this process hands to the storage engine (a
-    test-only hook); returns a function that removes the hook."""
-    from ckpt import _storage
+def hooked_writes(before: Callable[[np.ndarray], None]) -> ckpt.Options:
+    """Options for one save whose storage calls `before(data)` ahead of every chunk write this
+    process makes (a fault-injecting engine wrapped around the default one: support.py)."""
+    from support import write_hook_options
 
-    original = _storage.TensorStoreEngine.write
-
-    def write(self, handle, box, data):
-        before(data)
-        return original(self, handle, box, data)
-
-    _storage.TensorStoreEngine.write = write
-    return lambda: setattr(_storage.TensorStoreEngine, "write", original)
+    return write_hook_options(before)
 
 
 def disk_full(data) -> None:

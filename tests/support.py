@@ -1,22 +1,383 @@
-"""Helpers shared by several test modules."""
+"""Helpers shared by several test modules: test locations (local disk or memory://), damage
+done through the Storage API, and FaultyStorage, the one fault-injecting storage engine.
 
+Fault injection goes through the storage interface, never by patching an engine::
+
+    faults = Faults()
+    faults.fail("write_chunk", after=3)          # the 4th chunk write on fails with ENOSPC
+    gate = faults.hold("retire")                 # retire() waits until gate.release.set()
+    ckpt.save(path, tree, options=faults.options())
+
+``faults.options()`` is ``ckpt.Options(engine=faults.engine)``: the engine opens the location with
+the default engine (or `inner_engine`) and wraps it in a FaultyStorage, whose derived locations
+(children, parents, staged directories) are wrapped the same way.
+"""
+
+from __future__ import annotations
+
+import errno
 import threading
+import uuid
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
-from ckpt._storage import TensorStoreEngine
+import numpy as np
+
+import ckpt
+from ckpt._layout import chunk_index_of, chunk_key
+from ckpt.storage import Storage, WrapperStorage, open_storage
+from ckpt.storage._base import Done
+
+BIG = 1 << 31  # max_bytes for reading whole objects in tests
 
 
-class WriteGate:
-    """Holds every chunk write of the storage engine until the test releases it."""
+# ---- locations ---------------------------------------------------------------------------------
 
-    def __init__(self, monkeypatch):
+
+def storage_of(location: Any) -> Storage:
+    """The Storage of `location` with the default engine (as save and restore open it)."""
+    return open_storage(location, ckpt.Options().resolved())
+
+
+class Location:
+    """Where a test keeps its checkpoints: a local directory (``kind == "local"``) or a unique
+    ``memory://t/<uuid>`` prefix (``kind == "memory"``, TensorStore's in-memory kvstore, shared by
+    the whole test process). ``loc("a", "b")`` is the location text of ``a/b`` below it."""
+
+    def __init__(self, kind: str, root: str):
+        self.kind, self.root = kind, root.rstrip("/")
+
+    @classmethod
+    def make(cls, kind: str, tmp_dir) -> "Location":
+        if kind == "local":
+            return cls(kind, str(tmp_dir))
+        if kind == "memory":
+            return cls(kind, f"memory://t/{uuid.uuid4().hex}")
+        raise ValueError(kind)
+
+    def __call__(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def storage(self, *parts: str) -> Storage:
+        return storage_of(self(*parts))
+
+    def names(self, *parts: str) -> list[str]:
+        """Every entry directly below (objects and sub-locations), sorted."""
+        files, dirs = self.storage(*parts).list_dir("")
+        return sorted(files + dirs)
+
+    def snapshot(self, *parts: str) -> dict[str, bytes]:
+        return snapshot(self.storage(*parts))
+
+    def cleanup(self) -> None:
+        if self.kind == "memory":
+            self.storage().delete_tree("")
+
+    def __repr__(self) -> str:
+        return f"Location({self.kind}: {self.root})"
+
+
+# ---- reading and damaging through the Storage API ---------------------------------------------
+
+
+def keys(storage: Storage, prefix: str = "") -> list[str]:
+    """Every object at or below `prefix`, as keys relative to `storage`, sorted."""
+    files, dirs = storage.list_dir(prefix)
+    head = prefix.strip("/") + "/" if prefix.strip("/") else ""
+    out = [head + f for f in files]
+    for d in dirs:
+        out += keys(storage, head + d)
+    return sorted(out)
+
+
+def snapshot(storage: Storage) -> dict[str, bytes]:
+    """Every object below `storage` with its bytes."""
+    return {k: storage.get(k, max_bytes=BIG) for k in keys(storage)}
+
+
+def copy_tree(src: Storage, dst: Storage) -> None:
+    futures = [dst.put(k, v) for k, v in snapshot(src).items()]
+    for f in futures:
+        f.result()
+
+
+def manifest_of(location: Any):
+    """The manifest at `location` (a location, or a Storage as is)."""
+    from ckpt._commit import read_manifest
+
+    return read_manifest(storage_of(location))
+
+
+def leaf_storage_path(location: Any, leaf: str) -> str:
+    """Where the zarr array of `leaf` lives below the checkpoint (a generation prefix included)."""
+    from ckpt._tree import leaf_components
+
+    manifest = manifest_of(location)
+    paths = ["/".join(c) for c in leaf_components(manifest.tree)]
+    return manifest.leaves[paths.index(leaf)].zarr.path
+
+
+def chunk_object(location: Any, leaf: str, index) -> str:
+    """The key of one chunk file of `leaf` below the checkpoint at `location`."""
+    return f"{leaf_storage_path(location, leaf)}/{chunk_key(index)}"
+
+
+def flip_byte(storage: Storage, key: str, byte: int = 100) -> None:
+    data = bytearray(storage.get(key, max_bytes=BIG))
+    data[byte] ^= 0x10
+    storage.put(key, bytes(data)).result()
+
+
+def truncate(storage: Storage, key: str, nbytes: int) -> None:
+    storage.put(key, storage.get(key, max_bytes=BIG)[:nbytes]).result()
+
+
+# ---- CRC-32C, independently of the library ---------------------------------------------------
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_CRC_TABLE = _crc32c_table()
+
+
+def crc32c_reference(data: bytes) -> int:
+    """CRC-32C (Castagnoli, reflected), bit by bit from its definition (RFC 3720 B.4)."""
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc = _CRC_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+# ---- fault injection -------------------------------------------------------------------------
+
+
+def disk_full(where: str) -> OSError:
+    return OSError(errno.ENOSPC, "No space left on device (injected)", where)
+
+
+def io_error(where: str) -> OSError:
+    return OSError(errno.EIO, "Input/output error (injected)", where)
+
+
+class Gate:
+    """Holds the matching calls until ``release`` is set; ``entered`` is set by the first one."""
+
+    def __init__(self) -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
-        real_write = TensorStoreEngine.write
+        self.held: list[str] = []  # where each held call was
 
-        def gated_write(engine, handle, box, data):
-            self.entered.set()
-            if not self.release.wait(60):
-                raise TimeoutError("the test never released the write gate")
-            return real_write(engine, handle, box, data)
 
-        monkeypatch.setattr(TensorStoreEngine, "write", gated_write)
+@dataclass
+class _Rule:
+    op: str
+    action: Callable  # (storage, where, args) -> None, may raise or block
+    after: int = 0
+    times: int | None = None
+    when: Callable | None = None  # (where, args) -> bool
+    seen: int = 0  # matching calls so far
+    result: Callable | None = None  # (result, args) -> result, for `after` hooks
+    in_future: bool = False
+
+
+class Faults:
+    """What FaultyStorage does on each operation, shared by every storage derived from one.
+
+    Operations are Storage method names (``write_chunk``, ``put``, ``put_if_absent``, ``commit``,
+    ``retire``, ``delete_tree``...). Each rule counts the calls it matches (`when(where, args)`,
+    if given, filters them; `where` is the object or location the call is about) and acts on the
+    calls numbered after `after` (for `times` calls, or all).
+    """
+
+    def __init__(self, inner_engine: str | None = None):
+        self.inner_engine = inner_engine
+        self.calls: Counter = Counter()  # op -> calls so far
+        self._rules: list[_Rule] = []
+        self._lock = threading.Lock()
+
+    # -- wiring --
+
+    def engine(self, location: str, options: ckpt.Options) -> Storage:
+        return FaultyStorage(open_storage(location, replace(options, engine=self.inner_engine)), self)
+
+    def options(self, **kwargs) -> ckpt.Options:
+        return ckpt.Options(engine=self.engine, **kwargs)
+
+    # -- rules --
+
+    def fail(self, op: str, error: Callable[[str], BaseException] = disk_full, *, after: int = 0,
+             times: int | None = None, when=None, in_future: bool = False) -> None:
+        """Matching calls raise ``error(where)`` (or, with `in_future`, return a future that does:
+        how an engine reports a write that fails on the device)."""
+
+        def act(storage, where, args):
+            raise error(where)
+
+        self._add(_Rule(op, act, after, times, when, in_future=in_future))
+
+    def hold(self, op: str, *, after: int = 0, times: int | None = None, when=None, timeout_s: float = 60) -> Gate:
+        """Matching calls wait for the returned gate's release before going on."""
+        gate = Gate()
+
+        def act(storage, where, args):
+            gate.held.append(where)
+            gate.entered.set()
+            if not gate.release.wait(timeout_s):
+                raise TimeoutError(f"the test never released the gate on {op}")
+
+        self._add(_Rule(op, act, after, times, when))
+        return gate
+
+    def before(self, op: str, fn: Callable, *, when=None) -> None:
+        """Call ``fn(*args)`` ahead of every matching call."""
+        self._add(_Rule(op, lambda storage, where, args: fn(*args), when=when))
+
+    def after(self, op: str, fn: Callable, *, when=None) -> None:
+        """Replace the result of every matching call by ``fn(result, *args)``."""
+        self._add(_Rule(op, lambda storage, where, args: None, when=when, result=fn))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._rules.clear()
+
+    def _add(self, rule: _Rule) -> None:
+        with self._lock:
+            self._rules.append(rule)
+
+    # -- used by FaultyStorage --
+
+    def call(self, storage: "FaultyStorage", op: str, where: str, args: tuple, forward: Callable) -> Any:
+        with self._lock:
+            self.calls[op] += 1
+            active = []
+            for rule in self._rules:
+                if rule.op != op or (rule.when is not None and not rule.when(where, args)):
+                    continue
+                rule.seen += 1
+                if rule.seen > rule.after and (rule.times is None or rule.seen <= rule.after + rule.times):
+                    active.append(rule)
+        for rule in active:
+            try:
+                rule.action(storage, where, args)
+            except BaseException as e:
+                if rule.in_future:
+                    return Done(error=e)
+                raise
+        result = forward(*args)
+        for rule in active:
+            if rule.result is not None:
+                result = rule.result(result, *args)
+        return result
+
+
+@dataclass(frozen=True)
+class _Handle:
+    inner: Any
+    path: str
+    chunk_shape: tuple
+
+
+class FaultyStorage(WrapperStorage):
+    """A WrapperStorage whose every operation goes through its Faults."""
+
+    def __init__(self, inner: Storage, faults: Faults):
+        super().__init__(inner)
+        self.faults = faults
+
+    def wrap(self, inner: Storage) -> "FaultyStorage":
+        return FaultyStorage(inner, self.faults)
+
+    def _call(self, op: str, where: str, forward: Callable, *args) -> Any:
+        return self.faults.call(self, op, where, args, forward)
+
+    def get(self, key, *, max_bytes):
+        return self._call("get", self.where(key), lambda k: self.inner.get(k, max_bytes=max_bytes), key)
+
+    def read_exact(self, key, nbytes):
+        return self._call("read_exact", self.where(key), self.inner.read_exact, key, nbytes)
+
+    def read_chunk(self, path, index, nbytes):
+        return self._call("read_chunk", self.where(f"{path}/{chunk_key(index)}"), self.inner.read_chunk,
+                          path, index, nbytes)
+
+    def put(self, key, data):
+        return self._call("put", self.where(key), self.inner.put, key, data)
+
+    def put_if_absent(self, key, data):
+        return self._call("put_if_absent", self.where(key), self.inner.put_if_absent, key, data)
+
+    def exists(self, key):
+        return self._call("exists", self.where(key), self.inner.exists, key)
+
+    def exists_any(self):
+        return self._call("exists_any", self.url, self.inner.exists_any)
+
+    def list_dir(self, prefix=""):
+        return self._call("list_dir", self.where(prefix), self.inner.list_dir, prefix)
+
+    def delete(self, key):
+        return self._call("delete", self.where(key), self.inner.delete, key)
+
+    def delete_tree(self, prefix=""):
+        return self._call("delete_tree", self.where(prefix), self.inner.delete_tree, prefix)
+
+    def create_array(self, path, spec):
+        return self._call("create_array", self.where(path), self.inner.create_array, path, spec)
+
+    def put_group(self, path):
+        return self._call("put_group", self.where(path), self.inner.put_group, path)
+
+    def open_arrays(self, arrays):
+        handles = self._call("open_arrays", self.url, self.inner.open_arrays, arrays)
+        return {k: _Handle(h, arrays[k][0], tuple(arrays[k][1].chunk_shape)) for k, h in handles.items()}
+
+    def write_chunk(self, handle: _Handle, box, data):
+        where = self.where(f"{handle.path}/{chunk_key(chunk_index_of(box, handle.chunk_shape))}")
+        return self._call("write_chunk", where, lambda h, b, d: self.inner.write_chunk(h.inner, b, d),
+                          handle, box, data)
+
+    def stage(self, *, overwrite):
+        return self._call("stage", self.url, lambda: super(FaultyStorage, self).stage(overwrite=overwrite))
+
+    def staged_from(self, info):
+        return self._call("staged_from", self.url, super().staged_from, info)
+
+    def commit(self, staged, manifest, *, overwrite, old_data=None):
+        return self._call("commit", self.url,
+                          lambda: super(FaultyStorage, self).commit(staged, manifest, overwrite=overwrite,
+                                                                    old_data=old_data))
+
+    def abort(self, staged):
+        return self._call("abort", staged.storage.url, super().abort, staged)
+
+    def retire(self):
+        return self._call("retire", self.url, super().retire)
+
+
+def write_hook_options(before: Callable[[np.ndarray], None]) -> ckpt.Options:
+    """Options whose storage calls ``before(data)`` ahead of every chunk write of this process."""
+    faults = Faults()
+    faults.before("write_chunk", lambda handle, box, data: before(data))
+    return faults.options()
+
+
+def committed_generations(location: Any) -> list[str]:
+    """The top-level entries the manifest at `location` points into."""
+    manifest = manifest_of(location)
+    return sorted({l.zarr.path.split("/", 1)[0] for l in manifest.leaves if l.zarr is not None})
+
+
+__all__ = [
+    "BIG", "Faults", "FaultyStorage", "Gate", "Location", "chunk_object", "committed_generations",
+    "copy_tree", "crc32c_reference", "disk_full", "flip_byte", "io_error", "keys", "leaf_storage_path",
+    "manifest_of", "snapshot", "storage_of", "truncate", "write_hook_options",
+]

@@ -1,7 +1,7 @@
 """save_async: host copies owned before it returns (donation safety), SaveHandle.wait/done,
-background failures with their traceback, and the bound on bytes in flight to storage."""
+background failures with their traceback, and the bound on bytes in flight to storage. On local
+disk and on memory://; writes are held or failed through support.FaultyStorage."""
 
-import os
 import threading
 import traceback
 
@@ -12,9 +12,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
-import ckpt._save
-from ckpt._storage import TensorStoreEngine
-from support import WriteGate
+from ckpt.storage import MANIFEST_NAME
+from support import Faults, io_error
 
 
 def _mesh():
@@ -38,13 +37,14 @@ def _buffer_pointers(tree):
     return {k: sorted(s.data.unsafe_buffer_pointer() for s in v.addressable_shards) for k, v in tree.items()}
 
 
-def test_donation_after_save_async_keeps_saved_values(tmp_path, monkeypatch):
+def test_donation_after_save_async_keeps_saved_values(location):
     mesh = _mesh()
     expected, arrays = _tree(mesh)
-    gate = WriteGate(monkeypatch)
+    faults = Faults()
+    gate = faults.hold("write_chunk")
     before = _buffer_pointers(arrays)
 
-    handle = ckpt.save_async(tmp_path / "ck", arrays)
+    handle = ckpt.save_async(location("ck"), arrays, options=faults.options())
     assert gate.entered.wait(30)
     assert not handle.done()  # nothing is written yet: the gate holds the first chunk
 
@@ -61,84 +61,82 @@ def test_donation_after_save_async_keeps_saved_values(tmp_path, monkeypatch):
     gate.release.set()
     handle.wait(timeout=60)
     assert handle.done()
-    restored = ckpt.restore(tmp_path / "ck")
+    restored = ckpt.restore(location("ck"))
     assert restored.keys() == expected.keys()
     for k in expected:
         assert restored[k].dtype == expected[k].dtype
         assert np.array_equal(restored[k], expected[k]), k
 
 
-def test_wait_timeout_and_done(tmp_path, monkeypatch):
+def test_wait_timeout_and_done(location):
     mesh = _mesh()
     expected, arrays = _tree(mesh)
-    gate = WriteGate(monkeypatch)
-    handle = ckpt.save_async(tmp_path / "ck", arrays)
+    faults = Faults()
+    gate = faults.hold("write_chunk")
+    handle = ckpt.save_async(location("ck"), arrays, options=faults.options())
     assert gate.entered.wait(30)
     with pytest.raises(TimeoutError, match="still running"):
         handle.wait(timeout=0.05)
     assert not handle.done()
-    assert not (tmp_path / "ck").exists()  # not committed while writes are held
+    # Not committed while writes are held.
+    assert not location.storage("ck").exists(MANIFEST_NAME)
+    with pytest.raises((FileNotFoundError, ckpt.CheckpointError)):
+        ckpt.restore(location("ck"))
     gate.release.set()
     handle.wait()
     assert handle.done()
-    restored = ckpt.restore(tmp_path / "ck")
+    restored = ckpt.restore(location("ck"))
     for k in expected:
         assert np.array_equal(restored[k], expected[k]), k
 
 
-def test_background_failure_reraised_with_traceback(tmp_path, monkeypatch):
+def test_background_failure_reraised_with_traceback(location):
     _, arrays = _tree(_mesh())
-
-    def failing_chunk_write(engine, handle, box, data):
-        raise OSError(28, "No space left on device (injected)")
-
-    monkeypatch.setattr(TensorStoreEngine, "write", failing_chunk_write)
-    handle = ckpt.save_async(tmp_path / "ck", arrays)  # the failure happens in the background
+    faults = Faults()
+    faults.fail("write_chunk")
+    handle = ckpt.save_async(location("ck"), arrays, options=faults.options())  # fails in the background
     with pytest.raises(OSError, match="injected") as info:
         handle.wait(timeout=60)
     frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
-    assert "failing_chunk_write" in frames
+    # The traceback reaches from the save's writer down to the storage call that failed.
+    assert "_write_chunks" in frames and "write_chunk" in frames
     assert handle.done()
-    assert os.listdir(tmp_path) == []  # no checkpoint, no temporary directory
+    assert location.names() == []  # no checkpoint, no temporary directory
 
 
-def test_save_blocks_until_committed_and_raises(tmp_path, monkeypatch):
+def test_save_blocks_until_committed_and_raises(location):
     mesh = _mesh()
     expected, arrays = _tree(mesh)
-    ckpt.save(tmp_path / "ok", arrays)
-    restored = ckpt.restore(tmp_path / "ok")
+    ckpt.save(location("ok"), arrays)
+    restored = ckpt.restore(location("ok"))
     for k in expected:
         assert np.array_equal(restored[k], expected[k]), k
 
-    def failing_chunk_write(engine, handle, box, data):
-        raise OSError(5, "Input/output error (injected)")
-
-    monkeypatch.setattr(TensorStoreEngine, "write", failing_chunk_write)
+    faults = Faults()
+    faults.fail("write_chunk", io_error)
     with pytest.raises(OSError, match="injected"):
-        ckpt.save(tmp_path / "bad", arrays)
-    assert sorted(os.listdir(tmp_path)) == ["ok"]
+        ckpt.save(location("bad"), arrays, options=faults.options())
+    assert location.names() == ["ok"]
 
 
 @pytest.mark.parametrize("limit_chunks", [2, None])
-def test_bytes_in_flight_are_bounded(tmp_path, monkeypatch, limit_chunks):
+def test_bytes_in_flight_are_bounded(location, limit_chunks):
     mesh = Mesh(np.array(jax.devices()), ("x",))
     host = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
     array = jax.device_put(host, NamedSharding(mesh, P("x", None)))
     chunk_bytes = host.nbytes // 8
     limit = chunk_bytes * limit_chunks if limit_chunks else 1 << 40
-    monkeypatch.setattr(ckpt._save, "MAX_INFLIGHT_BYTES", limit)
 
     lock = threading.Lock()
     in_flight = {"bytes": 0, "peak": 0}
-    real_write = TensorStoreEngine.write
 
     class CountedFuture:
-        """In flight from write() until the save asks for its result."""
+        """In flight from write_chunk() until the save asks for its result."""
 
         def __init__(self, future, nbytes):
             self.future, self.nbytes, self.counted = future, nbytes, True
 
-        def result(self):
+        def result(self, timeout=None):
             out = self.future.result()
             with lock:
                 if self.counted:
@@ -146,14 +144,16 @@ def test_bytes_in_flight_are_bounded(tmp_path, monkeypatch, limit_chunks):
                     self.counted = False
             return out
 
-    def counted_write(engine, handle, box, data):
+    def count(handle, box, data):
         with lock:
             in_flight["bytes"] += data.nbytes
             in_flight["peak"] = max(in_flight["peak"], in_flight["bytes"])
-        return CountedFuture(real_write(engine, handle, box, data), data.nbytes)
 
-    monkeypatch.setattr(TensorStoreEngine, "write", counted_write)
-    ckpt.save(tmp_path / "ck", {"a": array})
+    faults = Faults()
+    faults.before("write_chunk", count)
+    faults.after("write_chunk", lambda future, handle, box, data: CountedFuture(future, data.nbytes))
+    ckpt.save(location("ck"), {"a": array}, options=faults.options(max_inflight_bytes=limit))
+    assert faults.calls["write_chunk"] == 8
     assert in_flight["bytes"] == 0
     if limit_chunks:
         # At most the limit, plus the chunk just handed over.
@@ -163,4 +163,4 @@ def test_bytes_in_flight_are_bounded(tmp_path, monkeypatch, limit_chunks):
         # the caller is still copying, the writer sends one chunk at a time; copies of these
         # small shards finish long before the first write does).
         assert in_flight["peak"] > 3 * chunk_bytes
-    assert np.array_equal(ckpt.restore(tmp_path / "ck")["a"], host)
+    assert np.array_equal(ckpt.restore(location("ck"))["a"], host)

@@ -1,11 +1,10 @@
 """Chunk checksums end to end: recorded at save, checked by restore, and a damaged, truncated or
-missing chunk is always an error naming the leaf, the chunk and the file."""
+missing chunk is always an error naming the leaf, the chunk and the file. On local disk and on
+memory:// (damage is done through the storage interface)."""
 
-import os
-import shutil
+import uuid
 
 import crc32c
-import google_crc32c
 import jax
 import ml_dtypes
 import msgpack
@@ -14,6 +13,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
+from ckpt.storage import MANIFEST_NAME
+from support import BIG, chunk_object, copy_tree, crc32c_reference, flip_byte, storage_of, truncate
 
 
 def _mesh():
@@ -28,51 +29,57 @@ def _values():
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved(module_location):
     mesh = _mesh()
     v = _values()
     tree = {"params": {"w": jax.device_put(v["w"], NamedSharding(mesh, P("data", "model"))),
                        "b": jax.device_put(v["b"], NamedSharding(mesh, P(None, "model")))}}
-    path = str(tmp_path_factory.mktemp("checksums") / "ckpt")
+    path = module_location("ckpt")
     ckpt.save(path, tree)
-    return path
+    return module_location, path
 
 
 @pytest.fixture
-def copy(saved, tmp_path):
-    dst = str(tmp_path / "ckpt")
-    shutil.copytree(saved, dst)
-    return dst
+def copy(saved):
+    """A private copy of the saved checkpoint (object by object, through the storage API)."""
+    loc, path = saved
+    name = f"copy-{uuid.uuid4().hex[:8]}"
+    copy_tree(loc.storage("ckpt"), loc.storage(name))
+    yield loc(name)
+    loc.storage(name).delete_tree("")
 
 
-def _flip(path, byte=100):
-    with open(path, "r+b") as f:
-        f.seek(byte)
-        b = f.read(1)
-        f.seek(byte)
-        f.write(bytes([b[0] ^ 0x10]))
+def _chunk(path, leaf, index):
+    """(storage of the checkpoint, key of the chunk file, its location as messages name it)."""
+    storage = storage_of(path)
+    key = chunk_object(path, f"params/{leaf}", index)
+    return storage, key, storage.where(key)
+
+
+def test_reference_crc32c_matches_the_standard_check_value():
+    assert crc32c_reference(b"123456789") == 0xE3069283  # RFC 3720 / the CRC catalogue
 
 
 def test_recorded_checksums_are_the_crc32c_of_each_chunk_file_in_row_major_order(saved):
-    with open(os.path.join(saved, "manifest.msgpack"), "rb") as f:
-        manifest = msgpack.unpackb(f.read(), raw=False)
+    loc, path = saved
+    storage = storage_of(path)
+    manifest = msgpack.unpackb(storage.get(MANIFEST_NAME, max_bytes=BIG), raw=False)
     zarr_leaves = {l["path"]: l["storage"] for l in manifest["leaves"] if l["storage"]["type"] == "zarr"}
     assert set(zarr_leaves) == {"params/w", "params/b"}
     grids = {"params/w": (2, 4), "params/b": (1, 4)}
-    for path, st in zarr_leaves.items():
+    for leaf, st in zarr_leaves.items():
         assert st["checksum"] == "crc32c"
-        files = [os.path.join(saved, st["path"], "c", *map(str, i)) for i in np.ndindex(*grids[path])]
+        files = [f"{st['path']}/c/{'/'.join(map(str, i))}" for i in np.ndindex(*grids[leaf])]
         assert len(st["chunk_checksums"]) == len(files)
         for recorded, name in zip(st["chunk_checksums"], files):
-            with open(name, "rb") as f:
-                data = f.read()
-            # Two independent implementations: the one ckpt uses and the one zarr's crc32c codec uses.
+            data = storage.get(name, max_bytes=BIG)
+            # Two independent implementations: the one ckpt uses, and one from the definition.
             assert crc32c.crc32c(data) == recorded
-            assert int.from_bytes(google_crc32c.Checksum(data).digest(), "big") == recorded
+            assert crc32c_reference(data) == recorded
 
 
 def test_intact_checkpoint_restores_with_verification(saved):
-    out = ckpt.restore(saved)
+    out = ckpt.restore(saved[1])
     v = _values()
     assert np.array_equal(out["params"]["w"], v["w"])
     assert out["params"]["b"].dtype == ml_dtypes.bfloat16
@@ -81,8 +88,8 @@ def test_intact_checkpoint_restores_with_verification(saved):
 
 @pytest.mark.parametrize("leaf,chunk", [("w", (1, 2)), ("b", (0, 3))])
 def test_flipped_byte_raises_checksum_error_naming_leaf_chunk_and_file(copy, leaf, chunk):
-    chunk_file = os.path.join(copy, "params", leaf, "c", *map(str, chunk))
-    _flip(chunk_file)
+    storage, key, chunk_file = _chunk(copy, leaf, chunk)
+    flip_byte(storage, key)
     with pytest.raises(ckpt.ChecksumError) as e:
         ckpt.restore(copy)
     assert e.value.leaf == f"params/{leaf}"
@@ -94,20 +101,22 @@ def test_flipped_byte_raises_checksum_error_naming_leaf_chunk_and_file(copy, lea
 
 
 def test_restore_checks_only_the_chunks_it_reads(copy):
-    _flip(os.path.join(copy, "params", "w", "c", "1", "2"))
+    storage, key, _ = _chunk(copy, "w", (1, 2))
+    flip_byte(storage, key)
     mesh = _mesh()
     target = {"params": {"b": NamedSharding(mesh, P(None, "model"))}}
     out = ckpt.restore(copy, target, partial=True)  # never reads params/w
-    assert np.array_equal(np.asarray(out["params"]["b"]).view(np.uint16), _values()["b"].view(np.uint16))
+    want = _values()["b"]
+    for s in out["params"]["b"].addressable_shards:
+        assert np.array_equal(np.asarray(s.data).view(np.uint16), want[s.index].view(np.uint16))
 
 
 def test_verify_false_skips_the_check_and_returns_the_damaged_bytes(copy):
-    chunk_file = os.path.join(copy, "params", "w", "c", "1", "2")
-    _flip(chunk_file, byte=100)
+    storage, key, _ = _chunk(copy, "w", (1, 2))
+    flip_byte(storage, key, byte=100)
     out = ckpt.restore(copy, verify=False)
     expected = _values()["w"].copy()
-    with open(chunk_file, "rb") as f:
-        expected[32:64, 16:24] = np.frombuffer(f.read(), dtype="<f4").reshape(32, 8)
+    expected[32:64, 16:24] = np.frombuffer(storage.get(key, max_bytes=BIG), dtype="<f4").reshape(32, 8)
     assert np.array_equal(out["params"]["w"], expected)
     # Exactly the one element holding byte 100 of that chunk changed.
     changed = np.argwhere(out["params"]["w"] != _values()["w"])
@@ -116,20 +125,32 @@ def test_verify_false_skips_the_check_and_returns_the_damaged_bytes(copy):
 
 @pytest.mark.parametrize("verify", [True, False])
 def test_truncated_chunk_is_an_error_naming_the_chunk(copy, verify):
-    chunk_file = os.path.join(copy, "params", "w", "c", "0", "3")
-    with open(chunk_file, "r+b") as f:
-        f.truncate(1000)
+    storage, key, chunk_file = _chunk(copy, "w", (0, 3))
+    truncate(storage, key, 1000)
     with pytest.raises(ckpt.CheckpointError) as e:
         ckpt.restore(copy, verify=verify)
     msg = str(e.value)
-    assert "params/w" in msg and "[0, 3]" in msg and chunk_file in msg
+    # (32, 8) float32: 1024 bytes expected, 1000 found
+    assert "params/w" in msg and "[0, 3]" in msg and chunk_file in msg and "1000" in msg and "1024" in msg
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_overlong_chunk_is_an_error_naming_the_chunk(copy, verify):
+    storage, key, chunk_file = _chunk(copy, "b", (0, 2))
+    storage.put(key, storage.get(key, max_bytes=BIG) + b"junk").result()
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.restore(copy, verify=verify)
+    msg = str(e.value)
+    # (64, 16) bfloat16: 2048 bytes expected, 2052 found
+    assert "params/b" in msg and "[0, 2]" in msg and chunk_file in msg and "2052" in msg and "2048" in msg
 
 
 @pytest.mark.parametrize("verify", [True, False])
 def test_missing_chunk_is_an_error_never_fill_values(copy, verify):
-    chunk_file = os.path.join(copy, "params", "b", "c", "0", "1")
-    os.remove(chunk_file)
+    storage, key, chunk_file = _chunk(copy, "b", (0, 1))
+    storage.delete(key)
+    assert not storage.exists(key)
     with pytest.raises(ckpt.CheckpointError) as e:
         ckpt.restore(copy, verify=verify)
     msg = str(e.value)
-    assert "params/b" in msg and "[0, 1]" in msg and chunk_file in msg
+    assert "params/b" in msg and "[0, 1]" in msg and chunk_file in msg and "missing" in msg

@@ -14,11 +14,12 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
-from ckpt._cli import main as cli_main
+import ckpt.storage
+from ckpt.cli import main as cli_main
 from ckpt._restore import restore_with_stats
 
 _SCRIPT = os.path.join(os.path.dirname(sys.executable), "ckpt")
-CKPT = [_SCRIPT] if os.path.exists(_SCRIPT) else [sys.executable, "-m", "ckpt._cli"]
+CKPT = [_SCRIPT] if os.path.exists(_SCRIPT) else [sys.executable, "-m", "ckpt"]
 
 
 def run(*args, check_rc=None):
@@ -329,3 +330,201 @@ def test_bench_forwards_its_arguments(monkeypatch):
     assert calls == [["--gib", "0.5", "--runs", "1"]]
     p = run("bench", "--help", check_rc=0)  # the real module's own help
     assert "--gib" in p.stdout and "ckpt bench" in p.stdout
+
+
+# ---- any location, through the storage interface ---------------------------------------------
+
+def _storage(url, engine=None):
+    return ckpt.storage.open_storage(url, ckpt.Options(engine=engine).resolved())
+
+
+def _chunk_key(url, leaf, index, engine=None):
+    """The storage key of a chunk of `leaf` in the checkpoint at `url` (with its generation prefix)."""
+    from ckpt._commit import read_manifest
+
+    rec = next(l for l in read_manifest(_storage(url, engine)).leaves if l.path == leaf)
+    return f"{rec.zarr.path}/c/" + "/".join(map(str, index))
+
+
+def cli(capsys, *args):
+    """Run the command in this process (memory:// lives in this process); (rc, stdout, stderr)."""
+    rc = cli_main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def memory_run():
+    """A manager-style run in memory://: steps 1 and 2 committed, step 3 never committed."""
+    import uuid
+
+    root = f"memory://cli/{uuid.uuid4().hex}/run"
+    for step in (1, 2):
+        ckpt.save(f"{root}/step_{step:08d}", _train_state(step))
+    _storage(f"{root}/step_00000003").put("gen-0123456789ab/zarr.json", b"{}").result()
+    return root
+
+
+@pytest.fixture
+def memory_copy():
+    """A fresh checkpoint of step 2 in memory://, to damage."""
+    import uuid
+
+    url = f"memory://cli/{uuid.uuid4().hex}/ckpt"
+    ckpt.save(url, _train_state(2))
+    return url
+
+
+def test_ls_on_memory_sizes_committed_steps_from_their_manifests(capsys, memory_run):
+    rc, out, _ = cli(capsys, "ls", memory_run, "--json")
+    assert rc == 0
+    rows = json.loads(out)
+    assert [(r["step"], r["state"], r["path"]) for r in rows] == [
+        (1, "committed", f"{memory_run}/step_00000001"), (2, "committed", f"{memory_run}/step_00000002"),
+        (3, "uncommitted", f"{memory_run}/step_00000003")]
+    for r in rows[:2]:
+        manifest = _storage(r["path"]).get("manifest.msgpack", max_bytes=1 << 20)
+        # Two zarr arrays of 8 chunks of 1 KiB, plus the manifest; no listing of sizes needed.
+        assert (r["bytes"], r["files"], r["sized_by"]) == (16 * 1024 + len(manifest), 17, "manifest")
+        assert r["written"] == msgpack.unpackb(manifest, raw=False)["created"]
+    assert (rows[2]["bytes"], rows[2]["files"], rows[2]["written"], rows[2]["sized_by"]) == (None, None, None, None)
+    rc, out, _ = cli(capsys, "ls", memory_run)
+    lines = out.splitlines()
+    assert rc == 0 and lines[0].split() == ["STEP", "STATE", "SIZE", "FILES", "WRITTEN", "PATH"]
+    assert lines[1].split()[:3] == ["1", "committed", f"~{(16 * 1024 + len(manifest)) / 1024:.2f}"]
+    assert lines[1].split()[4] == "~17"
+    assert lines[3].split() == ["3", "uncommitted", "-", "-", "-", f"{memory_run}/step_00000003"]
+
+
+def test_inspect_on_memory_picks_the_latest_step_and_shows_generation_paths(capsys, memory_run):
+    rc, out, err = cli(capsys, "inspect", memory_run, "--json")
+    assert rc == 0 and err == f"using step 2 (latest committed) of {memory_run}\n"
+    doc = json.loads(out)
+    assert doc["path"] == f"{memory_run}/step_00000002"
+    w = {l["path"]: l for l in doc["leaves"]}["params/w"]
+    assert (w["shape"], w["chunk_shape"], w["chunks"], w["nbytes"]) == ([64, 32], [32, 8], 8, 8192)
+    assert w["storage_path"].startswith("gen-") and w["storage_path"].endswith("/params/w")
+    assert doc["totals"]["chunks"] == 16 and doc["user_metadata"] is None
+    rc, out, err = cli(capsys, "inspect", memory_run, "--step", "1")
+    assert (rc, err) == (0, "") and out.startswith(f"checkpoint {memory_run}/step_00000001\n")
+    w_line = next(line for line in out.splitlines() if line.strip().startswith("w "))
+    assert w_line.split()[-2] == "zarr" and w_line.split()[-1].startswith("gen-"), w_line
+    assert w_line.split()[-1] != w["storage_path"]  # each checkpoint has its own generation
+
+
+def test_verify_on_memory_intact_and_damaged_through_the_storage_api(capsys, memory_run, memory_copy):
+    rc, out, _ = cli(capsys, "verify", memory_run, "--step", "1")
+    assert rc == 0 and f"verified {memory_run}/step_00000001\n" in out
+    assert "read 16 chunks of 2 arrays (16.00 KiB)" in out and "result: intact" in out
+
+    storage = _storage(memory_copy)
+    missing, truncated = _chunk_key(memory_copy, "params/w", (1, 1)), _chunk_key(memory_copy, "params/w", (0, 3))
+    flipped = _chunk_key(memory_copy, "opt/mu", (0, 0))
+    storage.delete(missing)
+    storage.put(truncated, storage.get(truncated, max_bytes=4096)[:300]).result()
+    data = bytearray(storage.get(flipped, max_bytes=4096))
+    data[0] ^= 0x80
+    storage.put(flipped, bytes(data)).result()
+    rc, out, _ = cli(capsys, "verify", memory_copy)
+    bad = [line for line in out.splitlines() if line.startswith("BAD ")]
+    assert rc == 1 and len(bad) == 3, out
+    assert bad[0].startswith(f"BAD leaf 'opt/mu', chunk [0, 0] ({memory_copy}/{flipped}): checksum mismatch: ")
+    assert bad[1] == (f"BAD leaf 'params/w', chunk [0, 3] ({memory_copy}/{truncated}): "
+                      "file is truncated: 300 of 1024 bytes")
+    assert bad[2] == f"BAD leaf 'params/w', chunk [1, 1] ({memory_copy}/{missing}): file is missing"
+    assert "result: DAMAGED, 3 bad chunk(s) and 0 bad array metadata file(s) in 2 array(s)" in out
+
+
+def test_diff_on_memory_identical_and_different(capsys, memory_run, memory_copy):
+    rc, out, _ = cli(capsys, "diff", f"{memory_run}/step_00000002", memory_copy)
+    assert rc == 0 and out.splitlines()[:2] == [f"A: {memory_run}/step_00000002", f"B: {memory_copy}"]
+    assert out.rstrip().endswith("0 dtype changes")
+    assert "summary: identical; 4 common arrays compared (4 equal, 0 differ)" in out
+    rc, out, _ = cli(capsys, "diff", f"{memory_run}/step_00000001", memory_copy, "--json", "--block-bytes", "256")
+    doc = json.loads(out)
+    arrays = {d["path"]: d for d in doc["arrays"]}
+    assert rc == 1 and doc["identical"] is False
+    assert (arrays["params/w"]["differing"], arrays["params/w"]["max_abs_diff"]) == (64 * 32, 0.125)
+    assert arrays["opt/mu"]["equal"] is True and arrays["opt/count"]["max_abs_diff"] == 1.0
+    assert {v["path"]: v["equal"] for v in doc["values"]} == {"step": False, "tag": True}
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_diff_names_leaf_chunk_and_file_of_a_bad_chunk(capsys, memory_run, memory_copy, damage):
+    storage, key = _storage(memory_copy), _chunk_key(memory_copy, "params/w", (0, 3))
+    if damage == "truncated":
+        storage.put(key, storage.get(key, max_bytes=4096)[:300]).result()
+    else:
+        storage.delete(key)
+    rc, out, err = cli(capsys, "diff", f"{memory_run}/step_00000002", memory_copy, "--block-bytes", "256")
+    assert (rc, out) == (2, "") and len(err.splitlines()) == 1, err
+    assert err.startswith(f"ckpt diff: error: leaf 'params/w', chunk [0, 3] ({memory_copy}/{key}): ")
+    assert ("truncated: 300 of 1024 bytes" if damage == "truncated" else "chunk file is missing") in err
+
+
+@pytest.mark.parametrize("engine", ["fsspec", "tensorstore"])
+def test_every_command_on_a_local_path_through_another_engine(tmp_path, engine):
+    opts = ckpt.Options(engine=engine)
+    a, b = tmp_path / "a", tmp_path / "b"
+    ckpt.save(a, _train_state(1), options=opts)
+    ckpt.save(b, _train_state(2), options=opts)
+    rows = json.loads(run("ls", a, "--engine", engine, "--json", check_rc=0).stdout)
+    with open(a / "manifest.msgpack", "rb") as f:
+        manifest = f.read()
+    assert [(r["step"], r["state"], r["path"], r["sized_by"]) for r in rows] == [
+        (None, "committed", str(a), "manifest")]
+    assert (rows[0]["bytes"], rows[0]["files"]) == (16 * 1024 + len(manifest), 17)
+    # The default (local) engine reads the same checkpoint, generation prefix and all, and sizes it on disk.
+    local = json.loads(run("ls", a, "--json", check_rc=0).stdout)[0]
+    assert local["sized_by"] == "storage" and local["bytes"] > rows[0]["bytes"]
+
+    doc = json.loads(run("inspect", a, "--engine", engine, "--json", check_rc=0).stdout)
+    w = {l["path"]: l for l in doc["leaves"]}["params/w"]
+    assert doc["path"] == str(a) and w["storage_path"].startswith("gen-") and w["chunks"] == 8
+
+    out = run("verify", a, "--engine", engine, check_rc=0).stdout
+    assert "read 16 chunks of 2 arrays" in out and "result: intact" in out
+    doc = json.loads(run("diff", a, b, "--engine", engine, "--json", check_rc=1).stdout)
+    assert {d["path"]: d["differing"] for d in doc["arrays"]} == {
+        "params/w": 2048, "params/b": 0, "opt/mu": 0, "opt/count": 1}
+    assert run("diff", b, b, "--engine", engine, check_rc=0).stdout.rstrip().endswith("0 dtype changes")
+    plan = json.loads(run("plan", a, "--engine", engine, "--mesh", "data=2,model=4", "--json", check_rc=0).stdout)
+    assert (plan["total"]["bytes_read"], plan["total"]["chunks_read"]) == (16 * 1024, 16)
+
+    key = f"{w['storage_path']}/c/0/3"
+    chunk = a / key
+    chunk.write_bytes(chunk.read_bytes()[:300])
+    out = run("verify", a, "--engine", engine, check_rc=1).stdout
+    assert f"BAD leaf 'params/w', chunk [0, 3] ({chunk}): file is truncated: 300 of 1024 bytes" in out
+    p = run("diff", a, b, "--engine", engine, check_rc=2)
+    assert p.stderr.startswith(f"ckpt diff: error: leaf 'params/w', chunk [0, 3] ({chunk}): ")
+    assert "truncated" in p.stderr and len(p.stderr.splitlines()) == 1 and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["inspect", "{run}", "--step", "-1"], "argument --step: bad step '-1': steps are >= 0"),
+    (["verify", "{run}", "--step", "x"], "argument --step: bad step 'x'"),
+    (["plan", "{run}", "--step", "9", "--mesh", "data=2"], "no step 9 in {run} (committed steps: [1, 2])"),
+    (["inspect", "nosuchscheme://bucket/x"], "unsupported checkpoint location 'nosuchscheme://bucket/x'"),
+    (["ls", "{run}", "--engine", "zarr"], "argument --engine: invalid choice: 'zarr'"),
+    (["inspect", "memory://x/y", "--engine", "local"], "the local engine serves local paths and file:// URLs"),
+    (["diff", "{run}"], "the following arguments are required: B"),
+    (["ls", "{run}/step_00000001/manifest.msgpack"], "step_00000001/manifest.msgpack is not a directory"),
+    (["inspect", "{run}/step_00000001/manifest.msgpack"], "is not a checkpoint directory"),
+    (["--no-such-option"], "unrecognized arguments: --no-such-option"),
+])
+def test_bad_input_prints_one_line_and_exits_2(run_dir, args, words):
+    args = [a.format(run=run_dir) for a in args]
+    p = run(*args)
+    assert (p.returncode, p.stdout) == (2, ""), (p.stdout, p.stderr)
+    assert len(p.stderr.splitlines()) == 1 and "Traceback" not in p.stderr, p.stderr
+    label = f"ckpt {args[0]}" if not args[0].startswith("-") else "ckpt"
+    assert p.stderr.startswith(f"{label}: error: ") and words.format(run=run_dir) in p.stderr, p.stderr
+
+
+def test_engine_option_is_offered_by_every_command_that_takes_a_location(capsys):
+    for command in ("ls", "inspect", "verify", "diff", "plan"):
+        with pytest.raises(SystemExit):
+            cli_main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "--engine {local,tensorstore,fsspec}" in text, (command, text)

@@ -1,5 +1,10 @@
-"""Every error of the core API, its message, and that a failed save loses nothing."""
+"""Every error of the core API, its message, and that a failed save loses nothing.
 
+Every test runs on local disk and on memory:// (the `location` fixture); damage is done and
+faults are injected through the storage interface (support.FaultyStorage). Tests marked
+"POSIX only" need a real file system or a second process."""
+
+import errno
 import os
 
 import jax
@@ -9,7 +14,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ckpt
-from ckpt import _storage
+from ckpt.storage import MANIFEST_NAME
+from ckpt.storage._base import Done
+from ckpt.storage._tensorstore import MappedFuture, storage_error
+from support import BIG, Faults, committed_generations, copy_tree, disk_full, io_error
 
 
 @pytest.fixture
@@ -22,117 +30,213 @@ def _tree(sharding, fill=1.0):
                        "b": jax.device_put(np.full((64, 32), fill, np.float32), sharding)}, "step": 1}
 
 
-def _listing(d):
-    return sorted(os.listdir(d))
+def _assert_holds(path, fill):
+    out = ckpt.restore(path)
+    assert out["step"] == 1
+    for name, shape in (("w", (32, 64)), ("b", (64, 32))):
+        assert np.array_equal(out["params"][name], np.full(shape, fill, np.float32)), name
 
 
-def test_existing_path_raises_file_exists_and_is_untouched(tmp_path, sharding):
-    ckpt.save(tmp_path / "c", _tree(sharding, 1.0))
-    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+def test_existing_path_raises_file_exists_and_is_untouched(location, sharding):
+    ckpt.save(location("c"), _tree(sharding, 1.0))
+    before = location.snapshot()
     with pytest.raises(FileExistsError, match="overwrite=True"):
-        ckpt.save(tmp_path / "c", _tree(sharding, 2.0))
-    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
-    assert np.all(ckpt.restore(tmp_path / "c")["params"]["w"] == 1.0)
+        ckpt.save(location("c"), _tree(sharding, 2.0))
+    assert location.snapshot() == before
+    _assert_holds(location("c"), 1.0)
 
 
-class _FailingWrites:
-    """Make the storage engine's n-th chunk write fail, as a full disk would."""
-
-    def __init__(self, monkeypatch, after: int):
-        self.calls = 0
-        real = _storage.TensorStoreEngine.write
-
-        def write(engine, handle, box, data):
-            self.calls += 1
-            if self.calls > after:
-                raise OSError(28, "No space left on device (injected)")
-            return real(engine, handle, box, data)
-
-        monkeypatch.setattr(_storage.TensorStoreEngine, "write", write)
+def test_failed_save_leaves_nothing_behind(location, sharding):
+    faults = Faults()
+    faults.fail("write_chunk", after=3)
+    with pytest.raises(OSError, match="No space left") as e:
+        ckpt.save(location("c"), _tree(sharding), options=faults.options())
+    assert e.value.errno == errno.ENOSPC
+    assert faults.calls["write_chunk"] > 3
+    assert location.names() == []  # no checkpoint, no temporary directory or generation
 
 
-def test_failed_save_leaves_nothing_behind(tmp_path, sharding, monkeypatch):
-    _FailingWrites(monkeypatch, after=3)
-    with pytest.raises(OSError, match="No space left"):
-        ckpt.save(tmp_path / "c", _tree(sharding))
-    assert _listing(tmp_path) == []  # no checkpoint, no temporary directory
-
-
-def test_failed_overwrite_keeps_previous_checkpoint(tmp_path, sharding, monkeypatch):
-    ckpt.save(tmp_path / "c", _tree(sharding, 1.0))
-    _FailingWrites(monkeypatch, after=5)
-    handle = ckpt.save_async(tmp_path / "c", _tree(sharding, 2.0), overwrite=True)
-    with pytest.raises(OSError, match="No space left"):
+@pytest.mark.parametrize("error", [disk_full, io_error], ids=["ENOSPC", "EIO"])
+@pytest.mark.parametrize("how", ["raised", "in-future"])
+def test_chunk_write_error_fails_the_overwrite_and_keeps_the_previous_checkpoint(location, sharding, error, how):
+    """A storage error on one chunk write (raised at once, or by the write's future, as a device
+    error is) fails the save with that OSError, naming the object in the checkpoint being saved;
+    the previous checkpoint is byte-identical and nothing else is left behind."""
+    path = location("c")
+    ckpt.save(path, _tree(sharding, 1.0))
+    before = location.snapshot()
+    faults = Faults()
+    faults.fail("write_chunk", error, after=5, in_future=how == "in-future")
+    handle = ckpt.save_async(path, _tree(sharding, 2.0), overwrite=True, options=faults.options())
+    with pytest.raises(OSError) as e:
         handle.wait()
-    assert _listing(tmp_path) == ["c"]
-    out = ckpt.restore(tmp_path / "c")
-    assert np.all(out["params"]["w"] == 1.0) and np.all(out["params"]["b"] == 1.0)
+    assert e.value.errno == error("x").errno
+    assert "(injected)" in str(e.value) and path in str(e.value)
+    assert location.snapshot() == before
+    _assert_holds(path, 1.0)
 
 
-def test_unsupported_leaf_is_named_and_nothing_is_written(tmp_path, sharding):
+def test_tensorstore_status_errors_map_to_oserror_with_errno():
+    where = "memory://t/x/c/gen-0/params/w/c/0/0"
+    full = storage_error(ValueError("RESOURCE_EXHAUSTED: quota exceeded"), where)
+    assert isinstance(full, OSError) and full.errno == errno.ENOSPC and full.filename == where
+    # TensorStore's local file errors carry the system's errno, which wins.
+    local = storage_error(ValueError('UNAVAILABLE: Error writing local file "/x/0": No space left on device '
+                                     "[os_error_code='28'] [source locations='...']"), "/x/0")
+    assert local.errno == errno.ENOSPC and "source locations" not in str(local)
+    cases = {"NOT_FOUND": FileNotFoundError, "ALREADY_EXISTS": FileExistsError, "PERMISSION_DENIED": PermissionError,
+             "DEADLINE_EXCEEDED": TimeoutError}
+    for status, kind in cases.items():
+        assert type(storage_error(ValueError(f"{status}: x"), where)) is kind, status
+    for status in ("DATA_LOSS", "UNAVAILABLE", "INTERNAL", "SOMETHING_NEW"):
+        assert storage_error(ValueError(f"{status}: x"), where).errno == errno.EIO, status
+    # Anything that is not a TensorStore status passes through unchanged.
+    for other in (ValueError("not a status"), KeyError("k"), OSError(errno.EIO, "x", "f"), ckpt.CheckpointError("c")):
+        assert storage_error(other, where) is other
+
+
+def test_tensorstore_resource_exhausted_on_a_chunk_write_fails_the_save_with_enospc(location, sharding):
+    """The way a TensorStore write failure travels (its future raises ValueError with a status)
+    ends as OSError(ENOSPC) from save, and the previous checkpoint survives."""
+    path = location("c")
+    ckpt.save(path, _tree(sharding, 1.0))
+    before = location.snapshot()
+    faults = Faults()
+
+    def exhausted(future, handle, box, data):
+        future.result()
+        return MappedFuture(Done(error=ValueError("RESOURCE_EXHAUSTED: out of space (injected)")), f"{path}/chunk")
+
+    faults.after("write_chunk", exhausted)
+    with pytest.raises(OSError) as e:
+        ckpt.save(path, _tree(sharding, 2.0), overwrite=True, options=faults.options())
+    assert e.value.errno == errno.ENOSPC and e.value.filename == f"{path}/chunk"
+    assert location.snapshot() == before
+
+
+@pytest.mark.parametrize("op", ["put_group", "create_array", "commit"])
+def test_failure_while_committing_keeps_the_previous_checkpoint(location, sharding, op):
+    path = location("c")
+    ckpt.save(path, _tree(sharding, 1.0))
+    before = location.snapshot()
+    faults = Faults()
+    faults.fail(op, io_error)
+    with pytest.raises((OSError, ckpt.CheckpointError), match="Input/output error") as e:
+        ckpt.save(path, _tree(sharding, 2.0), overwrite=True, options=faults.options())
+    assert path in str(e.value)
+    assert faults.calls[op] >= 1
+    after = location.snapshot()
+    if op == "commit" and location.kind == "memory":
+        # Without renames, a commit that fails may have written its manifest for all the save
+        # knows, so its generation stays behind as a leftover no manifest points to.
+        assert {k: after[k] for k in before} == before
+        extra = {k.split("/")[1] for k in set(after) - set(before)}
+        (generation,) = extra
+        assert generation.startswith("gen-") and generation not in committed_generations(path)
+    else:
+        assert after == before
+    _assert_holds(path, 1.0)
+
+
+def test_failed_cleanup_of_a_failed_save_is_never_a_checkpoint(location, sharding):
+    """A save whose chunk write fails and whose cleanup fails too leaves staged data behind; it
+    is not a checkpoint and does not hide the previous one."""
+    path = location("c")
+    ckpt.save(path, _tree(sharding, 1.0))
+    faults = Faults()
+    faults.fail("write_chunk", after=2)
+    faults.fail("abort", io_error)
+    with pytest.raises(OSError, match="No space left"):
+        ckpt.save(path, _tree(sharding, 2.0), overwrite=True, options=faults.options())
+    assert faults.calls["abort"] == 1
+    _assert_holds(path, 1.0)
+    if location.kind == "local":
+        (leftover,) = [n for n in location.names() if n != "c"]
+        assert leftover.startswith("c.tmp-")
+    else:
+        assert location.names() == ["c"]
+        generations = [n for n in location.names("c") if n.startswith("gen-")]
+        (committed,) = committed_generations(path)
+        assert len(generations) == 2 and committed in generations
+    # ... and the next save to the same place is not confused by it.
+    ckpt.save(path, _tree(sharding, 3.0), overwrite=True)
+    _assert_holds(path, 3.0)
+
+
+def test_unsupported_leaf_is_named_and_nothing_is_written(location, sharding):
     tree = _tree(sharding)
     tree["params"]["fn"] = lambda x: x
     with pytest.raises(ckpt.CheckpointError, match=r"leaf 'params/fn': cannot save a value of type builtins.function"):
-        ckpt.save(tmp_path / "c", tree)
-    assert _listing(tmp_path) == []
+        ckpt.save(location("c"), tree)
+    assert location.names() == []
 
 
-def test_deleted_array_is_named(tmp_path, sharding):
+def test_deleted_array_is_named(location, sharding):
     tree = _tree(sharding)
     tree["params"]["w"].delete()
     with pytest.raises(ckpt.CheckpointError, match=r"leaf 'params/w'.*deleted"):
-        ckpt.save(tmp_path / "c", tree)
-    assert _listing(tmp_path) == []
+        ckpt.save(location("c"), tree)
+    assert location.names() == []
 
 
-def test_missing_path(tmp_path):
+def test_missing_path(location):
     with pytest.raises(FileNotFoundError):
-        ckpt.restore(tmp_path / "nope")
+        ckpt.restore(location("nope"))
     with pytest.raises(FileNotFoundError):
-        ckpt.metadata(tmp_path / "nope")
+        ckpt.metadata(location("nope"))
 
 
-def test_directory_without_manifest_is_not_a_checkpoint(tmp_path, sharding):
+def test_location_without_manifest_is_not_a_checkpoint(location, sharding):
+    location.storage("partial").put("zarr.json", b"{}").result()
+    with pytest.raises(ckpt.CheckpointError, match="is not a committed checkpoint"):
+        ckpt.restore(location("partial"))
+    # What a save that never committed leaves: everything but the manifest.
+    ckpt.save(location("c"), _tree(sharding))
+    leftover = location.storage("c.tmp-0123456789ab")
+    copy_tree(location.storage("c"), leftover)
+    leftover.delete(MANIFEST_NAME)
+    with pytest.raises(ckpt.CheckpointError, match="temporary directory of a save that never committed"):
+        ckpt.restore(location("c.tmp-0123456789ab"))
+    with pytest.raises(ckpt.CheckpointError, match="not a committed checkpoint"):
+        ckpt.metadata(location("c.tmp-0123456789ab"))
+    location.storage("c").delete(MANIFEST_NAME)
+    with pytest.raises(ckpt.CheckpointError, match="has no manifest.msgpack"):
+        ckpt.restore(location("c"))
+
+
+def test_empty_directory_is_not_a_checkpoint(tmp_path):
+    """POSIX only: an empty directory (object stores have no empty prefixes)."""
     (tmp_path / "empty").mkdir()
     with pytest.raises(ckpt.CheckpointError, match="is not a committed checkpoint"):
         ckpt.restore(tmp_path / "empty")
-    # A save's leftover temporary directory: everything but the manifest.
-    ckpt.save(tmp_path / "c", _tree(sharding))
-    leftover = tmp_path / "c.tmp-0123456789ab"
-    os.rename(tmp_path / "c", leftover)
-    (leftover / "manifest.msgpack").unlink()
-    with pytest.raises(ckpt.CheckpointError, match="temporary directory of a save that never committed"):
-        ckpt.restore(leftover)
-    with pytest.raises(ckpt.CheckpointError, match="not a committed checkpoint"):
-        ckpt.metadata(leftover)
 
 
-def _rewrite_manifest(path, edit):
-    m = path / "manifest.msgpack"
-    doc = msgpack.unpackb(m.read_bytes(), strict_map_key=False)
+def _rewrite_manifest(location, name, edit):
+    storage = location.storage(name)
+    doc = msgpack.unpackb(storage.get(MANIFEST_NAME, max_bytes=BIG), strict_map_key=False)
     edit(doc)
-    m.write_bytes(msgpack.packb(doc, use_bin_type=True))
+    storage.put(MANIFEST_NAME, msgpack.packb(doc, use_bin_type=True)).result()
 
 
-def test_newer_format_version_says_which_version_is_needed(tmp_path, sharding):
-    ckpt.save(tmp_path / "c", _tree(sharding))
-    _rewrite_manifest(tmp_path / "c", lambda d: d.update(format_version=7))
+def test_newer_format_version_says_which_version_is_needed(location, sharding):
+    ckpt.save(location("c"), _tree(sharding))
+    _rewrite_manifest(location, "c", lambda d: d.update(format_version=7))
     with pytest.raises(ckpt.CheckpointError, match=r"format_version 7 is newer.*reads format version 7"):
-        ckpt.restore(tmp_path / "c")
+        ckpt.restore(location("c"))
 
 
-def test_corrupted_manifest(tmp_path, sharding):
-    ckpt.save(tmp_path / "c", _tree(sharding))
-    (tmp_path / "c" / "manifest.msgpack").write_bytes(b"\xc1garbage")
+def test_corrupted_manifest(location, sharding):
+    ckpt.save(location("c"), _tree(sharding))
+    location.storage("c").put(MANIFEST_NAME, b"\xc1garbage").result()
     with pytest.raises(ckpt.CheckpointError, match="manifest is corrupted"):
-        ckpt.restore(tmp_path / "c")
+        ckpt.restore(location("c"))
 
 
-def test_tree_mismatch_lists_every_missing_and_unexpected_path(tmp_path, sharding):
-    ckpt.save(tmp_path / "c", _tree(sharding))
+def test_tree_mismatch_lists_every_missing_and_unexpected_path(location, sharding):
+    ckpt.save(location("c"), _tree(sharding))
     target = {"params": {"w": sharding, "extra": sharding}, "other": {"x": sharding}}
     with pytest.raises(ckpt.TreeMismatchError) as e:
-        ckpt.restore(tmp_path / "c", target)
+        ckpt.restore(location("c"), target)
     assert sorted(e.value.missing) == ["params/b", "step"]
     assert sorted(e.value.unexpected) == ["other/x", "params/extra"]
     msg = str(e.value)
@@ -140,46 +244,47 @@ def test_tree_mismatch_lists_every_missing_and_unexpected_path(tmp_path, shardin
         assert p in msg
     # partial=True allows a subset, never keys that were not saved.
     with pytest.raises(ckpt.TreeMismatchError) as e:
-        ckpt.restore(tmp_path / "c", target, partial=True)
+        ckpt.restore(location("c"), target, partial=True)
     assert e.value.missing == [] and sorted(e.value.unexpected) == ["other/x", "params/extra"]
 
 
-def test_shape_mismatch_names_leaf_and_both_shapes(tmp_path, sharding):
-    ckpt.save(tmp_path / "c", _tree(sharding))
+def test_shape_mismatch_names_leaf_and_both_shapes(location, sharding):
+    ckpt.save(location("c"), _tree(sharding))
     target = jax.tree.map(lambda a: a.sharding if isinstance(a, jax.Array) else a, _tree(sharding))
     target["params"]["w"] = jax.ShapeDtypeStruct((64, 64), np.float32, sharding=sharding)
     with pytest.raises(ckpt.CheckpointError, match=r"leaf 'params/w': target shape \(64, 64\) does not match saved shape \(32, 64\)"):
-        ckpt.restore(tmp_path / "c", target)
+        ckpt.restore(location("c"), target)
 
 
-def test_mesh_missing_axis_or_indivisible_dimension(tmp_path, sharding):
-    ckpt.save(tmp_path / "c", _tree(sharding))
+def test_mesh_missing_axis_or_indivisible_dimension(location, sharding):
+    ckpt.save(location("c"), _tree(sharding))
     other = jax.make_mesh((8,), ("data",))
     with pytest.raises(ckpt.CheckpointError, match=r"leaf 'params/(b|w)'.*mesh axis 'x'.*does not have"):
-        ckpt.restore(tmp_path / "c", mesh=other)
+        ckpt.restore(location("c"), mesh=other)
     three = jax.sharding.Mesh(np.array(jax.devices()[:3]).reshape(3, 1), ("x", "y"))
     with pytest.raises(ckpt.CheckpointError, match=r"leaf 'params/(b|w)': dimension 0 of size (32|64) cannot be split over mesh axis x of size 3"):
-        ckpt.restore(tmp_path / "c", mesh=three)
+        ckpt.restore(location("c"), mesh=three)
 
 
-def test_target_and_mesh_together(tmp_path, sharding):
-    ckpt.save(tmp_path / "c", _tree(sharding))
+def test_target_and_mesh_together(location, sharding):
+    ckpt.save(location("c"), _tree(sharding))
     with pytest.raises(ValueError, match="either target or mesh"):
-        ckpt.restore(tmp_path / "c", {"params": {"w": sharding, "b": sharding}, "step": 0}, mesh=sharding.mesh)
+        ckpt.restore(location("c"), {"params": {"w": sharding, "b": sharding}, "step": 0}, mesh=sharding.mesh)
 
 
 def test_unsupported_url_scheme(sharding):
-    with pytest.raises(ckpt.CheckpointError, match="unsupported checkpoint URL scheme 'ftp'"):
-        ckpt.save("ftp://host/x", _tree(sharding))
+    with pytest.raises(ckpt.CheckpointError, match=r"unsupported checkpoint location 'foo://host/x'.*memory://.*s3://"):
+        ckpt.save("foo://host/x", _tree(sharding))
 
 
 def test_file_url_is_accepted(tmp_path, sharding):
     ckpt.save(f"file://{tmp_path}/c", _tree(sharding))
-    assert np.all(ckpt.restore(tmp_path / "c")["params"]["w"] == 1.0)
+    _assert_holds(tmp_path / "c", 1.0)
 
 
 def test_metadata_and_restore_in_a_process_with_one_device(tmp_path, sharding):
-    """A checkpoint saved on 8 devices opens in a process that has a single device."""
+    """A checkpoint saved on 8 devices opens in a process that has a single device. (Local disk
+    only: memory:// does not outlive its process.)"""
     import subprocess
     import sys
 

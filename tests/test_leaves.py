@@ -1,6 +1,8 @@
-"""Every dtype JAX has and every leaf kind, saved and restored bit for bit; custom nodes."""
+"""Every dtype JAX has and every leaf kind, saved and restored bit for bit; custom nodes. On local
+disk and on memory:// (the `location` fixture)."""
 
 import dataclasses
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -11,6 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ckpt
+from support import committed_generations, keys
 
 DTYPES_32 = [
     "float32", "float16", "bfloat16", "int8", "int16", "int32", "uint8", "uint16", "uint32", "bool",
@@ -53,7 +56,7 @@ def _check_restored(arr, expected, sharding):
         assert np.array_equal(_bits(np.asarray(s.data)), _bits(expected[s.index]))
 
 
-def _roundtrip_dtypes(tmp_path, names):
+def _roundtrip_dtypes(location, names):
     mesh = jax.make_mesh((4, 2), ("x", "y"))
     sharding = NamedSharding(mesh, P("x", "y"))
     big = {n: _values(_dtype(n), (64, 128), i) for i, n in enumerate(names)}  # chunked Zarr arrays
@@ -62,40 +65,40 @@ def _roundtrip_dtypes(tmp_path, names):
         "big": {n: jax.device_put(v, sharding) for n, v in big.items()},
         "small": {n: jax.device_put(v, sharding) for n, v in small.items()},
     }
-    ckpt.save(tmp_path / "c", tree)
-    out = ckpt.restore(tmp_path / "c", jax.tree.map(lambda a: a.sharding, tree))
+    ckpt.save(location("c"), tree)
+    out = ckpt.restore(location("c"), jax.tree.map(lambda a: a.sharding, tree))
     for n in names:
         _check_restored(out["big"][n], big[n], sharding)
         _check_restored(out["small"][n], small[n], sharding)
-    host = ckpt.restore(tmp_path / "c")
+    host = ckpt.restore(location("c"))
     for n in names:
         assert host["big"][n].dtype == big[n].dtype
         assert np.array_equal(_bits(host["big"][n]), _bits(big[n]))
         assert np.array_equal(_bits(host["small"][n]), _bits(small[n]))
-    meta = ckpt.metadata(tmp_path / "c")
+    meta = ckpt.metadata(location("c"))
     for n in names:
         assert meta["big"][n].dtype == big[n].dtype and meta["big"][n].shape == (64, 128)
         assert meta["big"][n].chunk_shape == (16, 64)
-    return tmp_path / "c", big
+    return location("c"), big
 
 
-def test_every_dtype_round_trips(tmp_path):
-    _roundtrip_dtypes(tmp_path, DTYPES_32)
+def test_every_dtype_round_trips(location):
+    _roundtrip_dtypes(location, DTYPES_32)
 
 
-def test_64_bit_dtypes_round_trip(tmp_path):
+def test_64_bit_dtypes_round_trip(location):
     with jax.enable_x64(True):
-        _roundtrip_dtypes(tmp_path, DTYPES_64)
+        _roundtrip_dtypes(location, DTYPES_64)
 
 
 @pytest.mark.parametrize("impl", ["threefry2x32", "rbg", "unsafe_rbg"])
-def test_prng_keys_restore_as_keys(tmp_path, impl):
+def test_prng_keys_restore_as_keys(location, impl):
     mesh = jax.make_mesh((8,), ("x",))
     sharding = NamedSharding(mesh, P("x"))
     keys = jax.device_put(jax.random.split(jax.random.key(3, impl=impl), 1024), sharding)
     single = jax.random.key(7, impl=impl)
-    ckpt.save(tmp_path / "c", {"keys": keys, "single": single})
-    out = ckpt.restore(tmp_path / "c", {"keys": sharding, "single": single})
+    ckpt.save(location("c"), {"keys": keys, "single": single})
+    out = ckpt.restore(location("c"), {"keys": sharding, "single": single})
     assert out["keys"].dtype == keys.dtype and jax.random.key_impl(out["keys"]) == jax.random.key_impl(keys)
     assert out["keys"].sharding == sharding
     for s in out["keys"].addressable_shards:
@@ -104,15 +107,15 @@ def test_prng_keys_restore_as_keys(tmp_path, impl):
     assert np.array_equal(jax.random.key_data(out["single"]), jax.random.key_data(single))
     # The restored keys draw the same numbers.
     assert np.array_equal(jax.random.normal(out["single"], (4,)), jax.random.normal(single, (4,)))
-    meta = ckpt.metadata(tmp_path / "c")
+    meta = ckpt.metadata(location("c"))
     assert meta["keys"].shape == (1024,) and meta["keys"].dtype == keys.dtype
     mesh2 = jax.make_mesh((2, 4), ("y", "x"))
-    on_mesh = ckpt.restore(tmp_path / "c", mesh=mesh2)
+    on_mesh = ckpt.restore(location("c"), mesh=mesh2)
     assert on_mesh["keys"].sharding == NamedSharding(mesh2, P("x"))
     assert np.array_equal(jax.random.key_data(on_mesh["keys"]), jax.random.key_data(keys))
 
 
-def test_host_leaf_kinds_round_trip(tmp_path):
+def test_host_leaf_kinds_round_trip(location):
     tree = {
         "np_big": np.arange(3000, dtype=np.float64).reshape(30, 100),
         "np_small": np.arange(6, dtype=np.int16).reshape(2, 3),
@@ -134,8 +137,8 @@ def test_host_leaf_kinds_round_trip(tmp_path):
         "nested": [1, (2.0, "x", None), {"k": [np.ones(3, np.uint8)]}],
         "zero_size": np.zeros((0, 5), np.float32),
     }
-    ckpt.save(tmp_path / "c", tree)
-    out = ckpt.restore(tmp_path / "c")
+    ckpt.save(location("c"), tree)
+    out = ckpt.restore(location("c"))
     assert jax.tree.structure(out) == jax.tree.structure(tree)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(out)):
         assert type(a) is type(b), (jax.tree_util.keystr(path), type(a), type(b))
@@ -144,7 +147,7 @@ def test_host_leaf_kinds_round_trip(tmp_path):
             assert np.array_equal(a, b)
         else:
             assert a == b
-    meta = ckpt.metadata(tmp_path / "c")
+    meta = ckpt.metadata(location("c"))
     assert meta["int"] == 42 and meta["str"] == "héllo/world" and meta["none"] is None
     assert meta["np_big"].shape == (30, 100) and meta["np_big"].chunk_shape == (30, 100)
     assert meta["np_small"].chunk_shape is None  # inline
@@ -171,14 +174,14 @@ def _state(sharding):
                  opt={"mu": put(4, (32, 64))})
 
 
-def test_custom_nodes_come_back_as_themselves_with_a_target(tmp_path):
+def test_custom_nodes_come_back_as_themselves_with_a_target(location):
     mesh = jax.make_mesh((4, 2), ("x", "y"))
     sharding = NamedSharding(mesh, P("x", "y"))
     state = _state(sharding)
-    ckpt.save(tmp_path / "c", state)
+    ckpt.save(location("c"), state)
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
                           if isinstance(a, jax.Array) else a, state)
-    out = ckpt.restore(tmp_path / "c", target)
+    out = ckpt.restore(location("c"), target)
     assert isinstance(out, State) and isinstance(out.layers[0], Layer) and out.step == 5
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(state)):
         if isinstance(b, jax.Array):
@@ -186,36 +189,43 @@ def test_custom_nodes_come_back_as_themselves_with_a_target(tmp_path):
             for s in a.addressable_shards:
                 assert np.array_equal(np.asarray(s.data), np.asarray(b)[s.index])
     # Without a target, custom nodes come back as dicts keyed by field name.
-    host = ckpt.restore(tmp_path / "c")
+    host = ckpt.restore(location("c"))
     assert set(host) == {"step", "layers", "opt"} and host["step"] == 5
     assert set(host["layers"][1]) == {"w", "b"}
     assert np.array_equal(host["layers"][1]["b"], np.asarray(state.layers[1].b))
 
 
-def test_odd_keys_get_safe_storage_paths(tmp_path):
+def test_odd_keys_get_safe_storage_paths(location):
     sharding = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
     v = {k: jax.device_put(np.full((64, 32), i, np.float32), sharding)
          for i, k in enumerate(["a/b", "..", ".hidden", "zarr.json", "", "ünï", "A", "a", "manifest.msgpack"])}
     tree = {"x": v, "ints": {7: v["A"], 10: v["a"]}}
-    ckpt.save(tmp_path / "c", tree)
-    out = ckpt.restore(tmp_path / "c")
+    ckpt.save(location("c"), tree)
+    out = ckpt.restore(location("c"))
     for i, k in enumerate(v):
         assert np.array_equal(out["x"][k], np.full((64, 32), i, np.float32)), k
     assert list(out["ints"]) == [7, 10]  # int keys stay ints
     assert np.array_equal(out["ints"][7], np.asarray(v["A"]))
-    names = {p.name for p in (tmp_path / "c" / "x").iterdir()}
-    assert ".." not in names and ".hidden" not in names
-    # Every storage directory sits inside the checkpoint.
-    for p in (tmp_path / "c").rglob("zarr.json"):
-        assert p.resolve().is_relative_to((tmp_path / "c").resolve())
+    # No storage path component is empty, hidden, or a way out of the checkpoint.
+    stored = keys(location.storage("c"))
+    assert stored and all(k.split("/")[0] in ("x", "ints", "zarr.json", "manifest.msgpack")
+                          or k.startswith("gen-") for k in stored)
+    for k in stored:
+        for part in k.split("/"):
+            assert part not in ("", ".", "..") and not part.startswith("."), k
+    if location.kind == "local":
+        for p in Path(location("c")).rglob("zarr.json"):
+            assert p.resolve().is_relative_to(Path(location("c")).resolve())
 
 
-def test_overwrite_replaces_atomically(tmp_path):
+def test_overwrite_replaces_atomically(location):
     sharding = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
     first = jax.device_put(np.ones((64, 16), np.float32), sharding)
     second = jax.device_put(np.full((64, 16), 2.0, np.float32), sharding)
-    ckpt.save(tmp_path / "c", {"w": first})
-    ckpt.save(tmp_path / "c", {"w": second, "extra": 1}, overwrite=True)
-    out = ckpt.restore(tmp_path / "c")
+    ckpt.save(location("c"), {"w": first})
+    ckpt.save(location("c"), {"w": second, "extra": 1}, overwrite=True)
+    out = ckpt.restore(location("c"))
     assert np.array_equal(out["w"], np.asarray(second)) and out["extra"] == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # no temporary directories left
+    assert location.names() == ["c"]  # no temporary directories left
+    if location.kind == "memory":  # and only the new generation, next to the manifest
+        assert location.names("c") == sorted(["manifest.msgpack", *committed_generations(location("c"))])

@@ -1,15 +1,17 @@
 """CheckpointManager: retention, should_save, metadata, background failures, crash safety,
-and exact resume of examples/train.py on the same and on another mesh."""
+and exact resume of examples/train.py on the same and on another mesh.
+
+Every test that touches storage runs on local disk and on memory:// (the `location` fixture);
+faults and held deletions go through support.FaultyStorage. The SIGKILL and example-script
+tests run other processes and stay on local disk."""
 
 import glob
 import importlib.util
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ckpt
 import ckpt._manager
 from ckpt._manager import steps_to_delete
-from support import WriteGate
+from support import Faults, io_error
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -76,8 +78,12 @@ def test_steps_to_delete_policy():
     assert steps_to_delete([7], 1, 100) == []  # the newest step is always kept
 
 
-def test_retention_keeps_newest_and_every_nth(tmp_path):
-    with ckpt.CheckpointManager(tmp_path, max_to_keep=2, keep_every_n_steps=4) as manager:
+def _step_names(steps):
+    return [f"step_{s:08d}" for s in steps]
+
+
+def test_retention_keeps_newest_and_every_nth(location):
+    with ckpt.CheckpointManager(location("run"), max_to_keep=2, keep_every_n_steps=4) as manager:
         for step in range(1, 11):
             assert manager.save(step, _tree(step))
         manager.wait()
@@ -85,38 +91,50 @@ def test_retention_keeps_newest_and_every_nth(tmp_path):
         assert manager.latest_step() == 10
         for step in manager.all_steps():
             _assert_step_restores(manager, step)
-    assert sorted(os.listdir(tmp_path)) == [f"step_{s:08d}" for s in (4, 8, 9, 10)]
+    assert location.names("run") == _step_names((4, 8, 9, 10))
 
 
-def test_retention_runs_in_background(tmp_path, monkeypatch):
-    entered, release = threading.Event(), threading.Event()
-    real_remove = ckpt._manager._remove_retired
-
-    def held_remove(directory, retired):
-        entered.set()
-        if not release.wait(60):
-            raise TimeoutError("the test never released the deletion")
-        real_remove(directory, retired)
-
-    monkeypatch.setattr(ckpt._manager, "_remove_retired", held_remove)
-    manager = ckpt.CheckpointManager(tmp_path, max_to_keep=1)
+def test_retention_runs_in_background(location):
+    faults = Faults()
+    gate = faults.hold("retire", times=1)  # the first deletion waits for the test
+    manager = ckpt.CheckpointManager(location("run"), max_to_keep=1, options=faults.options())
     assert manager.save(1, _tree(1))
     assert manager.save(2, _tree(2))  # waits for step 1 to commit
-    assert entered.wait(30)  # step 2 committed; removing step 1's files is now held
-    assert manager.all_steps() == [2]  # step 1 stopped being a step before its files go
-    (retired,) = glob.glob(str(tmp_path / "step_00000001.tmp-deleted-*"))
+    assert gate.entered.wait(30)  # step 2 committed; deleting step 1 is now held
+    assert gate.held == [manager.step_path(1)]
+    # Step 1 stopped being a step for this manager before its files go.
+    with pytest.raises(FileNotFoundError, match="step 1 is not a committed checkpoint"):
+        manager.restore(1)
     # The caller is not held by the deletion: saves, queries and restores go on.
     assert manager.save(3, _tree(3))
     _assert_step_restores(manager, 2)
-    release.set()
+    assert manager.latest_step() >= 2
+    gate.release.set()
     manager.close()
+    assert faults.calls["retire"] == 2  # steps 1 and 2
     assert manager.all_steps() == [3]
-    assert sorted(os.listdir(tmp_path)) == ["step_00000003"]
+    assert location.names("run") == _step_names([3])
     _assert_step_restores(manager, 3)
 
 
-def test_retention_skips_a_step_being_restored(tmp_path, monkeypatch):
-    manager = ckpt.CheckpointManager(tmp_path, max_to_keep=1, async_save=False)
+def test_failed_deletion_warns_and_is_retried_by_the_next_commit(location):
+    faults = Faults()
+    faults.fail("retire", io_error, times=1)
+    manager = ckpt.CheckpointManager(location("run"), max_to_keep=1, async_save=False, options=faults.options())
+    manager.save(1, _tree(1))
+    with pytest.warns(RuntimeWarning, match="could not delete step 1"):
+        manager.save(2, _tree(2))
+        manager.wait()
+    assert manager.all_steps() == [1, 2]  # left whole, still committed
+    _assert_step_restores(manager, 1)
+    manager.save(3, _tree(3))
+    manager.close()
+    assert manager.all_steps() == [3]
+    assert location.names("run") == _step_names([3])
+
+
+def test_retention_skips_a_step_being_restored(location, monkeypatch):
+    manager = ckpt.CheckpointManager(location("run"), max_to_keep=1, async_save=False)
     manager.save(1, _tree(1))
     real_restore = ckpt._manager._restore
     during = {}
@@ -138,28 +156,34 @@ def test_retention_skips_a_step_being_restored(tmp_path, monkeypatch):
     assert manager.all_steps() == [3]
 
 
-def test_only_process_zero_deletes(tmp_path, monkeypatch):
-    leftover = tmp_path / "step_00000005.tmp-abc"
-    leftover.mkdir()
-    (leftover / "chunk").write_bytes(b"x")
+def test_only_process_zero_deletes(location, monkeypatch):
+    run = location.storage("run")
+    # What saves that never committed leave: a temporary directory (local disk), or a step's
+    # generation without a manifest (memory://, no renames).
+    run.put("step_00000005.tmp-abc/chunk", b"x").result()
+    leftovers = ["step_00000005.tmp-abc"]
+    if location.kind == "memory":
+        run.put("step_00000006/gen-0123456789ab/w/c/0/0", b"x").result()
+        leftovers.append("step_00000006")
     monkeypatch.setattr(jax, "process_index", lambda: 1)
-    with ckpt.CheckpointManager(tmp_path, max_to_keep=1) as manager:
+    with ckpt.CheckpointManager(location("run"), max_to_keep=1) as manager:
         for step in (1, 2, 3):
             manager.save(step, _tree(step))
     assert manager.all_steps() == [1, 2, 3]
-    assert leftover.exists()
+    assert location.names("run") == sorted(_step_names((1, 2, 3)) + leftovers)
     monkeypatch.undo()
-    with ckpt.CheckpointManager(tmp_path, max_to_keep=1) as manager:
+    with ckpt.CheckpointManager(location("run"), max_to_keep=1) as manager:
         manager.save(4, _tree(4))
     assert manager.all_steps() == [4]
-    assert not leftover.exists()
+    assert location.names("run") == _step_names([4])
+    _assert_step_restores(manager, 4)
 
 
 # ---- should_save and save ------------------------------------------------------------------
 
 
-def test_should_save_and_force(tmp_path):
-    manager = ckpt.CheckpointManager(tmp_path, save_interval_steps=3, async_save=False)
+def test_should_save_and_force(location):
+    manager = ckpt.CheckpointManager(location("run"), save_interval_steps=3, async_save=False)
     assert [s for s in range(10) if manager.should_save(s)] == [0, 3, 6, 9]
     assert not manager.save(1, _tree(1))
     assert manager.all_steps() == []
@@ -173,7 +197,7 @@ def test_should_save_and_force(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="closed"):
         manager.save(6, _tree(6))
 
-    reopened = ckpt.CheckpointManager(tmp_path, save_interval_steps=3)
+    reopened = ckpt.CheckpointManager(location("run"), save_interval_steps=3)
     assert not reopened.should_save(3) and reopened.should_save(6)
     assert reopened.all_steps() == [3, 4]
     _assert_step_restores(reopened, 3)
@@ -181,10 +205,10 @@ def test_should_save_and_force(tmp_path):
     reopened.close()
 
 
-def test_reached_preemption(tmp_path, monkeypatch):
+def test_reached_preemption(location, monkeypatch):
     from jax.experimental import multihost_utils
 
-    manager = ckpt.CheckpointManager(tmp_path)
+    manager = ckpt.CheckpointManager(location("run"))
     assert manager.reached_preemption(5) is False  # no jax.distributed, no preemption service
 
     def not_initialized(step):
@@ -197,15 +221,12 @@ def test_reached_preemption(tmp_path, monkeypatch):
     manager.close()
 
 
-def test_bad_arguments(tmp_path):
+def test_bad_arguments(location):
     for kwargs in ({"max_to_keep": 0}, {"save_interval_steps": 0}, {"keep_every_n_steps": -1},
                    {"save_interval_steps": None}):
         with pytest.raises(ValueError, match=next(iter(kwargs))):
-            ckpt.CheckpointManager(tmp_path, **kwargs)
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(NotADirectoryError):
-        ckpt.CheckpointManager(tmp_path / "file")
-    manager = ckpt.CheckpointManager(tmp_path / "run")
+            ckpt.CheckpointManager(location("run"), **kwargs)
+    manager = ckpt.CheckpointManager(location("run"))
     with pytest.raises(ValueError, match="step must be >= 0"):
         manager.save(-1, _tree(0))
     with pytest.raises(TypeError, match="integer"):
@@ -219,10 +240,17 @@ def test_bad_arguments(tmp_path):
     manager.close()
 
 
-def test_metadata_round_trip(tmp_path):
+def test_directory_that_is_a_file(tmp_path):
+    """POSIX only: object stores have no files that block a directory."""
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        ckpt.CheckpointManager(tmp_path / "file")
+
+
+def test_metadata_round_trip(location):
     meta = {"loss": 0.25, "loader": {"epoch": 3, "position": [12, 7]}, "note": "warmup", "raw": b"\x00\x01",
             "best": None, "done": False, "big": 2**62}
-    with ckpt.CheckpointManager(tmp_path) as manager:
+    with ckpt.CheckpointManager(location("run")) as manager:
         assert manager.save(7, _tree(7), metadata=meta)
         meta["loss"] = 99.0  # the manager stored a copy
         assert manager.save(8, _tree(8))
@@ -236,7 +264,8 @@ def test_metadata_round_trip(tmp_path):
             manager.save(9, _tree(9), metadata={3: "x"})
         assert manager.all_steps() == [7, 8] and manager.should_save(9)
     # Each step is a checkpoint of its own.
-    path = tmp_path / "step_00000007"
+    path = manager.step_path(7)
+    assert path == location("run", "step_00000007")
     assert ckpt.metadata(path)["w"].shape == (64, 32)
     assert np.array_equal(ckpt.restore(path)["w"], _values(7)["w"])
     assert ckpt.metadata(path)["step"] == 7
@@ -245,33 +274,29 @@ def test_metadata_round_trip(tmp_path):
 # ---- failures and crashes ------------------------------------------------------------------
 
 
-def _break_temp_dir_mid_save(tmp_path, monkeypatch, manager, step):
-    """Start saving `step`, and while its writes are held, replace its temporary directory by
-    a regular file: the storage engine's real writes then fail."""
-    gate = WriteGate(monkeypatch)
-    assert manager.save(step, _tree(step))
-    assert gate.entered.wait(30)
-    (tmp_dir,) = glob.glob(str(tmp_path / f"step_{step:08d}.tmp-*"))
-    shutil.rmtree(tmp_dir)
-    Path(tmp_dir).write_bytes(b"not a directory")
-    gate.release.set()
-    return tmp_dir
+def _fail_step(faults, step, after=0):
+    """Make the chunk writes of `step` fail (all but the first `after`), as a full disk would."""
+    faults.fail("write_chunk", after=after, when=lambda where, args: f"step_{step:08d}" in where)
 
 
 @pytest.mark.parametrize("surfaces_on", ["save", "wait", "close"])
-def test_background_failure_surfaces(tmp_path, monkeypatch, surfaces_on):
-    manager = ckpt.CheckpointManager(tmp_path, max_to_keep=1)
+def test_background_failure_surfaces(location, surfaces_on):
+    faults = Faults()
+    manager = ckpt.CheckpointManager(location("run"), max_to_keep=1, options=faults.options())
     assert manager.save(1, _tree(1))
     manager.wait()
-    tmp_dir = _break_temp_dir_mid_save(tmp_path, monkeypatch, manager, 2)
+    before = location.snapshot("run")
+    _fail_step(faults, 2)
+    assert manager.save(2, _tree(2))  # starts; the failure happens in the background
     call = {"save": lambda: manager.save(3, _tree(3)), "wait": manager.wait, "close": manager.close}[surfaces_on]
     with pytest.raises(ckpt.CheckpointError, match="step 2 .*failed in the background") as info:
         call()
-    assert info.value.__cause__ is not None
+    assert isinstance(info.value.__cause__, OSError) and "No space left" in str(info.value)
     assert manager.all_steps() == [1]
     assert manager.latest_step() == 1
     _assert_step_restores(manager, 1)
-    monkeypatch.undo()
+    assert location.snapshot("run") == before  # nothing of step 2 is left behind
+    faults.clear()
     if surfaces_on != "close":
         # The failure was reported once; the manager goes on, and step 2 may be saved again.
         assert manager.should_save(2)
@@ -279,16 +304,37 @@ def test_background_failure_surfaces(tmp_path, monkeypatch, surfaces_on):
         manager.close()
         assert manager.all_steps() == [2]
         _assert_step_restores(manager, 2)
-    # The next manager removes what the failed save left behind.
-    assert os.path.exists(tmp_dir)
-    ckpt.CheckpointManager(tmp_path).close()
-    assert not os.path.exists(tmp_dir)
+        assert location.names("run") == _step_names([2])
 
 
-def test_context_exit_keeps_the_body_exception(tmp_path, monkeypatch):
+def test_leftovers_of_a_failed_save_are_removed_by_the_next_manager(location):
+    """A save whose writes fail and whose cleanup fails too leaves staged data; the next manager
+    (process 0) removes it in the background."""
+    faults = Faults()
+    manager = ckpt.CheckpointManager(location("run"), options=faults.options())
+    manager.save(1, _tree(1))
+    manager.wait()
+    _fail_step(faults, 2, after=1)  # one chunk of step 2 is written
+    faults.fail("abort", io_error)
+    manager.save(2, _tree(2))
+    with pytest.raises(ckpt.CheckpointError, match="step 2 .*failed in the background"):
+        manager.close()
+    assert faults.calls["abort"] == 1
+    leftover = [n for n in location.names("run") if n != "step_00000001"]
+    assert len(leftover) == 1 and leftover[0].startswith("step_00000002")
+    assert manager.all_steps() == [1]
+    with ckpt.CheckpointManager(location("run")) as reopened:
+        reopened.wait()
+        assert location.names("run") == _step_names([1])
+        _assert_step_restores(reopened, 1)
+
+
+def test_context_exit_keeps_the_body_exception(location):
+    faults = Faults()
     with pytest.raises(KeyError, match="from the loop") as info:
-        with ckpt.CheckpointManager(tmp_path) as manager:
-            _break_temp_dir_mid_save(tmp_path, monkeypatch, manager, 1)
+        with ckpt.CheckpointManager(location("run"), options=faults.options()) as manager:
+            _fail_step(faults, 1)
+            assert manager.save(1, _tree(1))
             raise KeyError("from the loop")
     assert any("step 1" in note and "failed in the background" in note for note in info.value.__notes__)
     assert manager.all_steps() == []
@@ -300,27 +346,28 @@ CRASH_CHILD = textwrap.dedent("""
     sys.path.insert(0, tests)
     import jax
     from test_manager import _tree
+    from support import Faults
     import ckpt
-    from ckpt._storage import TensorStoreEngine
 
-    manager = ckpt.CheckpointManager(directory)
+    faults = Faults()
+    manager = ckpt.CheckpointManager(directory, options=faults.options())
     manager.save(1, _tree(1))
     manager.wait()
 
-    real_write = TensorStoreEngine.write
-    def write_then_hang(engine, handle, box, data):
-        real_write(engine, handle, box, data).result()  # part of step 2 is on disk
+    def write_then_hang(future, handle, box, data):
+        future.result()  # part of step 2 is on disk
         with open(ready, "w"):
             pass
         time.sleep(600)
 
-    TensorStoreEngine.write = write_then_hang
+    faults.after("write_chunk", write_then_hang)
     manager.save(2, _tree(2))
     time.sleep(600)
 """)
 
 
 def test_sigkill_during_save_leaves_previous_step(tmp_path):
+    """POSIX only: a real process killed with SIGKILL in the middle of a save."""
     child = tmp_path / "crash_child.py"
     child.write_text(CRASH_CHILD)
     directory, ready = tmp_path / "run", tmp_path / "ready"
@@ -392,13 +439,13 @@ def _reference(first_mesh, second_mesh, split, total):
 
 
 @pytest.mark.parametrize("resume_mesh", [(4, 2), (2, 4)])
-def test_resume_is_bit_exact(tmp_path, resume_mesh):
+def test_resume_is_bit_exact(location, resume_mesh):
     mesh_a, mesh_b = train.make_mesh((4, 2)), train.make_mesh(resume_mesh)
     at_10, want = _reference(mesh_a, mesh_b, 10, 20)
 
-    with ckpt.CheckpointManager(tmp_path, save_interval_steps=5) as manager:
+    with ckpt.CheckpointManager(location("run"), save_interval_steps=5) as manager:
         train.train(manager, train.init_state(mesh_a), _step_fn(mesh_a), 10)
-    with ckpt.CheckpointManager(tmp_path, save_interval_steps=5) as manager:
+    with ckpt.CheckpointManager(location("run"), save_interval_steps=5) as manager:
         assert manager.all_steps() == [0, 5, 10]
         assert manager.metadata()["next_batch"] == 10
         state = train.restore_state(manager, mesh_b)
@@ -413,6 +460,7 @@ def test_resume_is_bit_exact(tmp_path, resume_mesh):
 
 
 def test_train_example_resumes_on_another_mesh(tmp_path):
+    """Local disk only: the example runs in processes of its own."""
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("XLA_FLAGS", None)  # the example sets up its 8 devices itself

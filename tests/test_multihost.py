@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
 from multihost_data import (
-    X_ARRAYS, Y_ARRAYS, Z_KIB, die, disk_full, hook_writes, no_op, stall_once, tmp_entries, bad_shards,
+    X_ARRAYS, Y_ARRAYS, Z_KIB, die, disk_full, hooked_writes, no_op, stall_once, tmp_entries, bad_shards,
     build, mesh_of, restore_checks, shardings_for, values, x_tree,
 )
 from multiproc import Worker, assert_all_succeeded, launch
@@ -67,9 +67,9 @@ def run_save_job(w: Worker) -> None:
     except OSError as e:
         w.report(check="exists", raised=type(e).__name__, tmp=tmp_entries(root))
 
-    unhook = hook_writes(disk_full if w.index == 1 else no_op)
+    hooked = hooked_writes(disk_full if w.index == 1 else no_op)
     try:
-        ckpt.save(f"{root}/x", x_tree(mesh, seed=1), overwrite=True)
+        ckpt.save(f"{root}/x", x_tree(mesh, seed=1), overwrite=True, options=hooked)
         w.report(check="write-failure", raised=None)
     except (ckpt.CheckpointError, OSError) as e:
         w.barrier("write-failure-done")
@@ -77,7 +77,6 @@ def run_save_job(w: Worker) -> None:
         bad, _ = bad_shards(survivor, X_ARRAYS)
         w.report(check="write-failure", raised=f"{type(e).__name__}: {e}", tmp=tmp_entries(root), bad=bad,
                  step=survivor["step"])
-    unhook()
 
     manager_dir = f"{root}/run"
     with ckpt.CheckpointManager(manager_dir, max_to_keep=2) as mgr:
@@ -105,9 +104,7 @@ def run_job_4x2(w: Worker) -> None:
     replicated = NamedSharding(mesh, P())
     z = {f"r{i}": jax.device_put(values(f"r{i}", (kib * 256,), np.float32), replicated) for i, kib in enumerate(Z_KIB)}
     written = []
-    unhook = hook_writes(lambda data: written.append(data.nbytes))
-    ckpt.save(f"{root}/z", z)
-    unhook()
+    ckpt.save(f"{root}/z", z, options=hooked_writes(lambda data: written.append(data.nbytes)))
     w.report(check="balanced", bytes=sum(written), chunks=len(written))
     restored = ckpt.restore(f"{root}/z")
     bad = [k for k in z if not np.array_equal(restored[k], values(k, (Z_KIB[int(k[1:])] * 256,), np.float32))]
@@ -126,19 +123,18 @@ def run_sigkill_job(w: Worker) -> None:
     w.report(check="step-1")
 
     # A process busy for longer than the timeout is alive, not missing: its first write stalls.
-    unhook = hook_writes(stall_once(1.5 * float(os.environ["CKPT_TIMEOUT_S"])) if w.index == 1 else no_op)
+    hooked = hooked_writes(stall_once(1.5 * float(os.environ["CKPT_TIMEOUT_S"])) if w.index == 1 else no_op)
     start = time.monotonic()
-    ckpt.save(f"{root}/slow", build(arrays, mesh, seed=3))
+    ckpt.save(f"{root}/slow", build(arrays, mesh, seed=3), options=hooked)
     elapsed = time.monotonic() - start
-    unhook()
     w.report(check="slow-save", seconds=elapsed, bad=bad_shards(ckpt.restore(f"{root}/slow"), arrays, seed=3)[0])
 
-    if w.index == 2:  # dies after its host copies, at its first chunk write
-        hook_writes(die)
+    # process 2 dies after its host copies, at its first chunk write
+    hooked = hooked_writes(die) if w.index == 2 else None
     w.survivors = [0, 1]
     start = time.monotonic()
     try:
-        ckpt.save(f"{root}/step_2", build(arrays, mesh, seed=2))
+        ckpt.save(f"{root}/step_2", build(arrays, mesh, seed=2), options=hooked)
         w.report(check="killed-save", raised=None)
         return
     except ckpt.CheckpointError as e:

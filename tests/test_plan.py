@@ -97,15 +97,21 @@ def test_batch_by_budget():
     assert batch_by_budget([], 10) == []
 
 
-def test_restore_respects_the_host_budget(tmp_path, monkeypatch):
+@pytest.mark.parametrize("given_by", ["options", "environment"])
+def test_restore_respects_the_host_budget(tmp_path, monkeypatch, given_by):
     """Leaves are read in batches whose bytes stay under the budget (a single larger leaf is a
-    batch of its own), and the result is still exact."""
+    batch of its own), and the result is still exact. The budget comes from
+    Options.host_budget_bytes, or from CKPT_HOST_BUDGET_BYTES when the option is left unset."""
     sharding = NamedSharding(jax.make_mesh((4, 2), ("x", "y")), P("x", "y"))
     values = {f"w{i}": np.random.default_rng(i).standard_normal((64, 64)).astype(np.float32) for i in range(6)}
     values["big"] = np.ones((256, 256), np.float32)
     ckpt.save(tmp_path / "c", {k: jax.device_put(v, sharding) for k, v in values.items()})
     budget = 40_000  # one 16 KiB leaf (read + assembled: 32 KiB) fits, two do not
-    monkeypatch.setattr(_restore, "HOST_BUDGET_BYTES", budget)
+    if given_by == "options":
+        options = ckpt.Options(host_budget_bytes=budget)
+    else:
+        monkeypatch.setenv("CKPT_HOST_BUDGET_BYTES", str(budget))
+        options = None
     batches = []
     real = _restore._Reader.read
 
@@ -114,7 +120,7 @@ def test_restore_respects_the_host_budget(tmp_path, monkeypatch):
         return real(self, plans)
 
     monkeypatch.setattr(_restore._Reader, "read", spy)
-    out = ckpt.restore(tmp_path / "c", {k: sharding for k in values})
+    out = ckpt.restore(tmp_path / "c", {k: sharding for k in values}, options=options)
     assert len(batches) >= 4
     assert all(b <= budget for b in batches if b != 2 * 256 * 256 * 4)
     for k, v in values.items():

@@ -1,4 +1,5 @@
-"""Round-trip matrix: save meshes x PartitionSpecs x restore targets, every shard checked."""
+"""Round-trip matrix: save meshes x PartitionSpecs x restore targets, every shard checked, on
+local disk and on memory:// (the `module_location` fixture)."""
 
 import jax
 import numpy as np
@@ -6,6 +7,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import ckpt
+from support import chunk_object, keys, leaf_storage_path
 
 SHAPE = (24, 96)  # divisible by 8, 4, 3 and 2, and above the inline limit
 
@@ -42,14 +44,14 @@ def _saved_sharding(case):
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved(module_location):
     """One checkpoint per save case, holding two arrays (so the tree has structure)."""
     out = {}
     for i, case in enumerate(SAVE_CASES):
         sharding = _saved_sharding(case)
         values = {"a": _value(2 * i), "b": {"c": _value(2 * i + 1)}}
         tree = jax.tree.map(lambda v: jax.device_put(v, sharding), values)
-        path = tmp_path_factory.mktemp("rt") / case
+        path = module_location(case)
         ckpt.save(path, tree)
         out[case] = (path, values, sharding)
     return out
@@ -140,26 +142,32 @@ def test_partial_restore(saved):
     assert_array_matches(out["b"]["c"], values["b"]["c"], sharding)
 
 
-def test_only_needed_chunks_are_read(tmp_path):
+def test_only_needed_chunks_are_read(location):
     """One shard's region reads back after every other chunk file of the array is deleted
-    (through the reader restore uses); the whole array then fails naming a missing chunk."""
+    (through the storage API; reads go through the reader restore uses); the whole array then
+    fails naming a missing chunk."""
     mesh = _mesh((4, 2), ("x", "y"))
     value = _value(7)
-    ckpt.save(tmp_path / "c", {"w": jax.device_put(value, NamedSharding(mesh, P("x", "y")))})
-    chunk_dir = tmp_path / "c" / "w" / "c"
-    files = sorted(p for p in chunk_dir.rglob("*") if p.is_file())
+    path = location("c")
+    ckpt.save(path, {"w": jax.device_put(value, NamedSharding(mesh, P("x", "y")))})
+    storage = location.storage("c")
+    chunk_dir = f"{leaf_storage_path(path, 'w')}/c"
+    files = keys(storage, chunk_dir)
     assert len(files) == 8
-    keep = chunk_dir / "1" / "0"  # rows 6:12, columns 0:48
+    keep = chunk_object(path, "w", (1, 0))  # rows 6:12, columns 0:48
+    assert keep in files
     for f in files:
         if f != keep:
-            f.unlink()
+            storage.delete(f)
+    assert keys(storage, chunk_dir) == [keep]
     box = ((6, 12), (0, 48))
-    regions, stats = ckpt._restore.read_regions(tmp_path / "c", "w", [box])
+    regions, stats = ckpt._restore.read_regions(path, "w", [box])
     assert stats.chunks_read == 1 and stats.bytes_read == 6 * 48 * 4
     assert np.array_equal(regions[box], value[6:12, 0:48])
     # A region inside the kept chunk reads only that chunk too.
     inner = ((7, 9), (10, 20))
-    regions, stats = ckpt._restore.read_regions(tmp_path / "c", "w", [inner])
+    regions, stats = ckpt._restore.read_regions(path, "w", [inner])
     assert stats.chunks_read == 1 and np.array_equal(regions[inner], value[7:9, 10:20])
-    with pytest.raises(ckpt.CheckpointError, match=r"leaf 'w', chunk \[0, 0\].*w/c/0/0"):
-        ckpt.restore(tmp_path / "c")
+    with pytest.raises(ckpt.CheckpointError, match=r"leaf 'w', chunk \[0, 0\].*w/c/0/0") as e:
+        ckpt.restore(path)
+    assert storage.where(chunk_object(path, "w", (0, 0))) in str(e.value)

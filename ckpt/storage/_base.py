@@ -24,9 +24,10 @@ from __future__ import annotations
 import errno
 import json
 import secrets
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import numpy as np
 
@@ -41,6 +42,14 @@ GROUP_METADATA = b'{"zarr_format": 3, "node_type": "group", "attributes": {}}'
 
 def is_temp_name(name: str) -> bool:
     return TEMP_MARK in name
+
+
+class Usage(NamedTuple):
+    """What a location holds on disk (``Storage.du``)."""
+
+    bytes: int
+    files: int
+    modified: float  # newest modification time below it, seconds since the epoch
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,13 @@ def chunk_bytes(data: np.ndarray, box: Box, chunk_shape: tuple[int, ...]) -> np.
         full[tuple(slice(0, n) for n in data.shape)] = data
         data = full
     return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+
+
+def size_mismatch(where: str, got: int, want: int) -> CheckpointError:
+    """The error for an object that does not hold the bytes it should (one wording everywhere)."""
+    if got < want:
+        return CheckpointError(f"{where} is truncated: {got} of {want} bytes")
+    return CheckpointError(f"{where} holds {got} bytes, more than the {want} expected")
 
 
 class Done:
@@ -196,6 +212,12 @@ class Storage(ABC):
     def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
         """(objects, sub-locations) directly below `prefix`, names only, sorted."""
 
+    def du(self) -> Usage | None:
+        """Bytes, objects and newest modification time at or below this location, or None where
+        the engine cannot tell without reading every object (``ckpt ls`` then sizes committed
+        checkpoints from their manifests)."""
+        return None
+
     @abstractmethod
     def delete(self, key: str) -> None:
         """Delete one object; a missing one is not an error."""
@@ -259,10 +281,17 @@ class Storage(ABC):
             self.put(MANIFEST_NAME, manifest).result()
         else:
             self.put_if_absent(MANIFEST_NAME, manifest)
+        # Committed: from here on nothing may fail the save. Old data that cannot be deleted
+        # now is unreferenced and only costs space.
         keep = staged.prefix.rstrip("/")
         for entry in stale:
-            if entry != keep:
-                self.delete_tree(entry) if not entry.endswith(".json") else self.delete(entry)
+            if entry == keep:
+                continue
+            try:
+                self.delete(entry) if entry.endswith(".json") else self.delete_tree(entry)
+            except OSError as e:
+                warnings.warn(f"checkpoint {self.url} committed, but its previous data {self.where(entry)} "
+                              f"could not be deleted: {e}", RuntimeWarning, stacklevel=2)
 
     def abort(self, staged: Staged) -> None:
         """Remove what a save that will not commit staged."""

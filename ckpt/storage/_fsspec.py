@@ -12,6 +12,7 @@ exclusive create on local disk and ``If-None-Match: *`` on s3fs.
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -20,7 +21,7 @@ import numpy as np
 
 from ckpt._errors import CheckpointError
 from ckpt._layout import Box, chunk_index_of, chunk_key
-from ckpt.storage._base import ArraySpec, Storage, aligned_empty, chunk_bytes
+from ckpt.storage._base import ArraySpec, Storage, aligned_empty, chunk_bytes, size_mismatch
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
@@ -66,6 +67,11 @@ class FsspecStorage(Storage):
         from zarr.storage import FsspecStore
 
         self.fs, self._path, self._url, self._concurrency = fs, path.rstrip("/"), url.rstrip("/"), concurrency
+        self._local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+        # Write-if-absent is atomic on local disk (O_EXCL) and on object stores (If-None-Match);
+        # elsewhere fsspec checks, then writes.
+        self.conditional_writes = self._local or bool({"s3", "s3a", "gs", "gcs"} & set(
+            fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)))
         async_fs = fs if getattr(fs, "async_impl", False) else AsyncFileSystemWrapper(fs, asynchronous=True)
         self.store = FsspecStore(fs=async_fs, path=self._path, read_only=False)
 
@@ -104,14 +110,13 @@ class FsspecStorage(Storage):
     def get(self, key: str, *, max_bytes: int) -> bytes:
         data = self._read(key)
         if len(data) > max_bytes:
-            raise CheckpointError(f"{self.where(key)} holds {len(data)} bytes, more than the {max_bytes} expected")
+            raise size_mismatch(self.where(key), len(data), max_bytes)
         return data
 
     def read_exact(self, key: str, nbytes: int) -> np.ndarray:
         data = self._read(key)
         if len(data) != nbytes:
-            what = "is truncated" if len(data) < nbytes else "is longer than expected"
-            raise CheckpointError(f"{self.where(key)} {what}: {len(data)} bytes, expected {nbytes}")
+            raise size_mismatch(self.where(key), len(data), nbytes)
         out = aligned_empty(nbytes)
         out[:] = np.frombuffer(data, np.uint8)
         return out
@@ -127,10 +132,18 @@ class FsspecStorage(Storage):
     def put_if_absent(self, key: str, data: bytes) -> None:
         path = self._full(key)
         try:
+            if self._local:
+                # fsspec's pipe_file(mode="create") checks, then writes, on local disk: an
+                # exclusive create (O_EXCL) is the atomic form, and fsync makes it durable.
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "xb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                return
             if self.fs.exists(path):
                 raise FileExistsError(errno.EEXIST, "already exists", self.where(key))
-            parent = path.rsplit("/", 1)[0]
-            self.fs.makedirs(parent, exist_ok=True)
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
             self.fs.pipe_file(path, bytes(data), mode="create")
         except FileExistsError:
             raise FileExistsError(errno.EEXIST, "already exists", self.where(key)) from None

@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ckpt._errors import CheckpointError
-from ckpt.storage._base import MANIFEST_NAME, TEMP_MARK, Staged, aligned_empty
+from ckpt.storage._base import MANIFEST_NAME, TEMP_MARK, Staged, Usage, aligned_empty, size_mismatch
 from ckpt.storage._tensorstore import TensorStoreStorage, shared_context
 
 _PAGE = 4096
@@ -136,7 +136,7 @@ class LocalStorage(TensorStoreStorage):
         with open(path, "rb") as f:
             data = f.read(max_bytes + 1)
         if len(data) > max_bytes:
-            raise CheckpointError(f"{path} holds more than the {max_bytes} bytes expected")
+            raise size_mismatch(path, os.stat(path).st_size, max_bytes)
         return data
 
     def read_exact(self, key: str, nbytes: int) -> np.ndarray:
@@ -159,10 +159,8 @@ class LocalStorage(TensorStoreStorage):
                 filled += n
         finally:
             os.close(fd)
-        if filled < nbytes:
-            raise CheckpointError(f"{file} is truncated: {filled} of {nbytes} bytes")
-        if filled > nbytes:
-            raise CheckpointError(f"{file} is longer than the {nbytes} bytes expected")
+        if filled != nbytes:
+            raise size_mismatch(file, filled if filled < nbytes else os.stat(file).st_size, nbytes)
         return buf[:nbytes]
 
     def put_if_absent(self, key: str, data: bytes) -> None:
@@ -185,6 +183,23 @@ class LocalStorage(TensorStoreStorage):
         except (FileNotFoundError, NotADirectoryError):
             pass
         return sorted(files), sorted(dirs)
+
+    def du(self) -> Usage:
+        """Regular files under the directory (symlinks not followed), their bytes and the newest
+        modification time (the directory's own when it holds no file)."""
+        total = count = 0
+        try:
+            newest = os.lstat(self.root).st_mtime
+        except FileNotFoundError:
+            return Usage(0, 0, 0.0)
+        for dirpath, _, files in os.walk(self.root):
+            for name in files:
+                try:
+                    st = os.lstat(os.path.join(dirpath, name))
+                except FileNotFoundError:  # removed while we walk (a manager deleting an old step)
+                    continue
+                total, count, newest = total + st.st_size, count + 1, max(newest, st.st_mtime)
+        return Usage(total, count, newest)
 
     def delete(self, key: str) -> None:
         try:

@@ -103,7 +103,13 @@ def _tensorstore_spec(text: str, storage_options: dict) -> tuple[dict, str]:
         return {**spec, **storage_options}, "s3"
     if scheme == "gs":
         return {**spec, "driver": "gcs", **storage_options}, "gcs"
-    raise CheckpointError(f"the tensorstore engine does not serve {scheme}:// locations (use engine='fsspec')")
+    import tensorstore as ts
+
+    try:  # any other kvstore URL TensorStore understands
+        other = ts.KvStore.Spec(text.rstrip("/") + "/").to_json()
+    except Exception:
+        raise CheckpointError(f"the tensorstore engine does not serve {scheme}:// locations (use engine='fsspec')") from None
+    return {**other, **storage_options}, str(other.get("driver", scheme))
 
 
 def open_storage(location: Any, options: Options) -> Storage:

@@ -15,7 +15,7 @@ import tensorstore as ts
 
 from ckpt._errors import CheckpointError
 from ckpt._layout import Box, box_to_index, chunk_index_of, chunk_key
-from ckpt.storage._base import ArraySpec, Storage, aligned_empty, zarr_metadata
+from ckpt.storage._base import ArraySpec, Storage, aligned_empty, size_mismatch, zarr_metadata
 
 # TensorStore reports failures as ValueError("<absl status code>: <message>").
 _STATUS = re.compile(r"^([A-Z_]+):")
@@ -155,14 +155,13 @@ class TensorStoreStorage(Storage):
     def get(self, key: str, *, max_bytes: int) -> bytes:
         data = self._read(key)
         if len(data) > max_bytes:
-            raise CheckpointError(f"{self.where(key)} holds {len(data)} bytes, more than the {max_bytes} expected")
+            raise size_mismatch(self.where(key), len(data), max_bytes)
         return data
 
     def read_exact(self, key: str, nbytes: int) -> np.ndarray:
         data = self._read(key)
         if len(data) != nbytes:
-            what = "is truncated" if len(data) < nbytes else "is longer than expected"
-            raise CheckpointError(f"{self.where(key)} {what}: {len(data)} bytes, expected {nbytes}")
+            raise size_mismatch(self.where(key), len(data), nbytes)
         out = aligned_empty(nbytes)
         out[:] = np.frombuffer(data, np.uint8)
         return out

@@ -2,13 +2,17 @@
 
 Arrays are compared block by block: A's chunks, split further when a chunk is larger than the
 block budget, are read from both checkpoints (B through its own chunking), so memory stays at
-a few blocks whatever the checkpoint size.
+a few blocks (plus the chunks under them) whatever the checkpoint size. Blocks are read through
+restore's own chunk reader, on any storage: every chunk is checked against its CRC-32C, and a
+missing, short or corrupted chunk stops the diff with an error naming leaf, chunk and file
+rather than comparing garbage.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -16,13 +20,13 @@ import ml_dtypes
 import numpy as np
 
 from ckpt import _dtypes
-from ckpt._errors import CheckpointError
-from ckpt._layout import Box, box_shape, chunk_box, chunk_grid, full_box, relative
-from ckpt._locate import Opened
-from ckpt._manifest import ARRAY_KINDS, LeafRecord
-from ckpt._restore import py_value
-from ckpt._storage import engine_for
+from ckpt._layout import Box, box_shape, chunk_box, chunk_grid
+from ckpt._manifest import ARRAY_KINDS
+from ckpt._options import Options, resolve
+from ckpt._plan import plan_leaf_read
+from ckpt._restore import RestoreStats, _Reader
 from ckpt._tree import display_path
+from ckpt.cli._locate import Opened
 
 DEFAULT_BLOCK_BYTES = 64 << 20
 
@@ -60,37 +64,20 @@ class DiffReport:
 
 
 class _Source:
-    """Regions of one saved array, as logical-dtype numpy arrays."""
+    """Regions of one saved array as logical-dtype numpy arrays, read as restore reads them."""
 
-    def __init__(self, root: str, rec: LeafRecord):
-        self.rec, self.root = rec, root
+    def __init__(self, opened: Opened, index: int, options: Options):
+        self.rec = rec = opened.manifest.leaves[index]
+        self.index = index
         self.logical = _dtypes.dtype_from_name(rec.dtype)
-        self.inline = rec.storage["type"] == "inline"
-        if self.inline:
-            storage_dtype, _ = _dtypes.storage_of(self.logical)
-            whole = np.frombuffer(rec.storage["data"], dtype=storage_dtype.newbyteorder("<")).reshape(rec.shape)
-            self.whole = _dtypes.from_storage(whole.astype(storage_dtype), self.logical)
-        else:
-            self.engine = engine_for(root)
-            self.handle = self._wait(self.engine.open_read(rec.storage["path"]), None)
+        self.chunk_shape = rec.chunk_shape
+        self.reader = _Reader(opened.storage, opened.manifest.leaves, True, RestoreStats(), options)
 
-    def _wait(self, fut, box: Box | None):
-        try:
-            return fut.result()
-        except Exception as e:
-            where = "" if box is None else f", region {[list(b) for b in box]}"
-            raise CheckpointError(f"{self.root}: leaf {display_path(self.rec.path)!r}{where}: cannot read: {e}") from None
-
-    def start(self, box: Box):
-        if self.inline:
-            return box
-        return self.engine.read(self.handle, box), box
-
-    def finish(self, started) -> np.ndarray:
-        if self.inline:
-            return self.whole[relative(started, full_box(self.rec.shape))]
-        fut, box = started
-        return _dtypes.from_storage(self._wait(fut, box), self.logical)
+    def read(self, box: Box) -> np.ndarray:
+        """The region `box`, reading (and verifying) only the chunks that overlap it."""
+        rec = self.rec
+        plan = plan_leaf_read(self.index, rec.shape, self.chunk_shape, self.logical.itemsize, [box])
+        return _dtypes.from_storage(self.reader.read([plan])[self.index][box], self.logical)
 
 
 def same_value(x: Any, y: Any) -> bool:
@@ -143,16 +130,18 @@ def compare_values(a: np.ndarray, b: np.ndarray) -> tuple[int, float]:
     return int(ne.sum()), float(np.max(np.abs(x[ne] - y[ne])))
 
 
-def _diff_array(a: Opened, ra: LeafRecord, b: Opened, rb: LeafRecord, block_bytes: int, report: DiffReport) -> ArrayDiff:
-    src_a, src_b = _Source(a.root, ra), _Source(b.root, rb)
+def _diff_array(a: Opened, ia: int, b: Opened, ib: int, block_bytes: int, report: DiffReport,
+                options: Options, pool: ThreadPoolExecutor) -> ArrayDiff:
+    src_a, src_b = _Source(a, ia, options), _Source(b, ib, options)
+    ra = src_a.rec
     out = ArrayDiff(ra.path, math.prod(ra.shape))
     if out.elements == 0:
         return out
-    chunk_shape = tuple(ra.shape) if src_a.inline else tuple(ra.storage["chunk_shape"])
     itemsize = max(src_a.logical.itemsize, src_b.logical.itemsize, 8)  # compared as 8-byte values
-    for box in _blocks(tuple(ra.shape), chunk_shape, max(1, block_bytes // itemsize)):
-        started_a, started_b = src_a.start(box), src_b.start(box)
-        x, y = src_a.finish(started_a), src_b.finish(started_b)
+    for box in _blocks(tuple(ra.shape), src_a.chunk_shape, max(1, block_bytes // itemsize)):
+        from_a = pool.submit(src_a.read, box)  # A and B are read at the same time
+        y = src_b.read(box)
+        x = from_a.result()
         n, worst = compare_values(x, y)
         if n:
             out.differing += n
@@ -161,38 +150,45 @@ def _diff_array(a: Opened, ra: LeafRecord, b: Opened, rb: LeafRecord, block_byte
     return out
 
 
-def diff_checkpoints(a: Opened, b: Opened, block_bytes: int = DEFAULT_BLOCK_BYTES) -> DiffReport:
+def diff_checkpoints(a: Opened, b: Opened, block_bytes: int = DEFAULT_BLOCK_BYTES,
+                     options: Options | None = None) -> DiffReport:
+    """Compare two opened checkpoints, values included (see the module docstring)."""
+    opts = resolve(options)
     report = DiffReport(a.root, b.root)
     la = {r.path: r for r in a.manifest.leaves}
     lb = {r.path: r for r in b.manifest.leaves}
+    index_a = {r.path: i for i, r in enumerate(a.manifest.leaves)}
+    index_b = {r.path: i for i, r in enumerate(b.manifest.leaves)}
     report.only_a = [p for p in la if p not in lb]
     report.only_b = [p for p in lb if p not in la]
-    for path, ra in la.items():
-        rb = lb.get(path)
-        if rb is None:
-            continue
-        array_a, array_b = ra.kind in ARRAY_KINDS, rb.kind in ARRAY_KINDS
-        if not array_a or not array_b:
-            if ra.kind != rb.kind:
-                report.kind_changes.append((path, ra.kind, rb.kind))
-            else:
-                report.values.append((path, py_value(ra), py_value(rb)))
-            continue
-        if (ra.kind == "prng_key") != (rb.kind == "prng_key") or ra.prng_impl != rb.prng_impl:
-            report.kind_changes.append((path, f"{ra.kind} {ra.prng_impl or ''}".strip(),
-                                        f"{rb.kind} {rb.prng_impl or ''}".strip()))
-            continue
-        if ra.dtype != rb.dtype:
-            report.dtype_changes.append((path, ra.dtype, rb.dtype))
-        if tuple(ra.shape) != tuple(rb.shape):
-            report.shape_changes.append((path, list(ra.shape), list(rb.shape)))
-            continue
-        report.arrays.append(_diff_array(a, ra, b, rb, block_bytes, report))
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-diff") as pool:
+        for path, ra in la.items():
+            rb = lb.get(path)
+            if rb is None:
+                continue
+            array_a, array_b = ra.kind in ARRAY_KINDS, rb.kind in ARRAY_KINDS
+            if not array_a or not array_b:
+                if ra.kind != rb.kind:
+                    report.kind_changes.append((path, ra.kind, rb.kind))
+                else:
+                    report.values.append((path, ra.py_value(), rb.py_value()))
+                continue
+            if (ra.kind == "prng_key") != (rb.kind == "prng_key") or ra.prng_impl != rb.prng_impl:
+                report.kind_changes.append((path, f"{ra.kind} {ra.prng_impl or ''}".strip(),
+                                            f"{rb.kind} {rb.prng_impl or ''}".strip()))
+                continue
+            if ra.dtype != rb.dtype:
+                report.dtype_changes.append((path, ra.dtype, rb.dtype))
+            if tuple(ra.shape) != tuple(rb.shape):
+                report.shape_changes.append((path, list(ra.shape), list(rb.shape)))
+                continue
+            report.arrays.append(_diff_array(a, index_a[path], b, index_b[path], block_bytes, report, opts, pool))
     return report
 
 
 def diff_document(r: DiffReport) -> dict:
-    from ckpt._inspect import json_safe
+    """What `diff --json` prints."""
+    from ckpt.cli._render import json_safe
 
     return {
         "a": r.a, "b": r.b, "identical": r.identical,
@@ -207,6 +203,7 @@ def diff_document(r: DiffReport) -> dict:
 
 
 def render_diff(r: DiffReport) -> str:
+    """The report as text: one section per kind of difference, then a summary line."""
     out = [f"A: {r.a}", f"B: {r.b}"]
 
     def section(title: str, lines: list[str]) -> None:

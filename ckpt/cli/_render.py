@@ -1,4 +1,5 @@
-"""`ckpt inspect` and `ckpt ls`: what a checkpoint holds, from its manifest alone."""
+"""`ckpt inspect` and `ckpt ls`: what a checkpoint holds, from its manifest alone, as JSON
+documents and as text; and the small formatting helpers every command shares."""
 
 from __future__ import annotations
 
@@ -7,14 +8,14 @@ import math
 from typing import Any
 
 from ckpt._layout import ShardingInfo, chunk_grid
-from ckpt._locate import Opened, StepRow
-from ckpt._manifest import ARRAY_KINDS, FORMAT_NAME
+from ckpt._manifest import ARRAY_KINDS, FORMAT_NAME, LeafRecord, Manifest
 from ckpt._metadata import array_metadata
-from ckpt._restore import py_value
 from ckpt._tree import CUSTOM, LEAF, child_names, display_path
+from ckpt.cli._locate import Opened, StepRow
 
 
 def human_bytes(n: float) -> str:
+    """Bytes in binary units, as people read sizes ('8.00 KiB')."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
@@ -23,6 +24,7 @@ def human_bytes(n: float) -> str:
 
 
 def local_time(seconds: float) -> str:
+    """A timestamp in the reader's time zone, to the second."""
     return datetime.datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M:%S")
 
 
@@ -41,7 +43,8 @@ def json_safe(x: Any) -> Any:
     return x
 
 
-def spec_text(spec) -> str:
+def spec_text(spec: list) -> str:
+    """A recorded PartitionSpec as JAX prints one: P('data', None, ('x', 'y'))."""
     def entry(e):
         if e is None:
             return "None"
@@ -59,22 +62,22 @@ def _shape_text(shape) -> str:
     return "[" + ",".join(map(str, shape)) + "]"
 
 
-def leaf_info(rec) -> dict:
+def leaf_info(rec: LeafRecord) -> dict:
     """One leaf as `inspect --json` prints it."""
     if rec.kind not in ARRAY_KINDS:
-        return {"path": rec.path, "kind": rec.kind, "value": json_safe(py_value(rec))}
+        return {"path": rec.path, "kind": rec.kind, "value": json_safe(rec.py_value())}
     md = array_metadata(rec)
     info = ShardingInfo.from_record(rec.sharding)
-    zarr = rec.storage["type"] == "zarr"
+    zarr = rec.zarr
     out = {
         "path": rec.path,
         "kind": rec.kind,
         "shape": list(md.shape),
         "dtype": str(md.dtype),
-        "storage": rec.storage["type"],
-        "storage_path": rec.storage["path"] if zarr else None,
+        "storage": "zarr" if zarr else "inline",
+        "storage_path": zarr.path if zarr else None,
         "chunk_shape": list(md.chunk_shape) if zarr else None,
-        "chunks": math.prod(chunk_grid(rec.shape, rec.storage["chunk_shape"])) if zarr else 0,
+        "chunks": math.prod(chunk_grid(rec.shape, zarr.chunk_shape)) if zarr else 0,
         "nbytes": md.nbytes,
         "sharding": info.kind if info else None,
         "mesh": None,
@@ -91,6 +94,7 @@ def leaf_info(rec) -> dict:
 
 
 def inspect_document(opened: Opened) -> dict:
+    """What `inspect --json` prints: the manifest, one plain JSON document (no data is read)."""
     m = opened.manifest
     leaves = [leaf_info(r) for r in m.leaves]
     arrays = [l for l in leaves if "nbytes" in l]
@@ -147,7 +151,8 @@ def _value_text(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def render_inspect(doc: dict, manifest) -> str:
+def render_inspect(doc: dict, manifest: Manifest) -> str:
+    """The inspect document as a table in tree order (the manifest gives the tree)."""
     header = ["NAME", "DTYPE", "SHAPE", "MESH", "SPEC", "CHUNK", "CHUNKS", "BYTES", "STORAGE"]
     rows: list[list[str] | str] = []
     for depth, label, index in _tree_lines(manifest.tree):
@@ -157,7 +162,7 @@ def render_inspect(doc: dict, manifest) -> str:
             continue
         leaf = doc["leaves"][index]
         if "nbytes" not in leaf:
-            rows.append([name, leaf["kind"], "= " + _value_text(py_value(manifest.leaves[index]))])
+            rows.append([name, leaf["kind"], "= " + _value_text(manifest.leaves[index].py_value())])
             continue
         mesh = leaf["mesh"]
         mesh_text = ("-" if mesh is None else
@@ -201,19 +206,26 @@ def render_inspect(doc: dict, manifest) -> str:
 
 
 def ls_document(rows: list[StepRow]) -> list[dict]:
+    """What `ls --json` prints. `bytes`/`files` are null where the storage cannot tell them;
+    `sized_by` says where they come from ('storage' or, on storage that cannot list sizes,
+    'manifest': chunk files and manifest only)."""
     return [
         {"step": r.step, "path": r.path, "state": r.state, "bytes": r.size, "files": r.files,
-         "written": r.written, "problem": r.problem}
+         "written": r.written, "problem": r.problem, "sized_by": r.sized_by}
         for r in rows
     ]
 
 
 def render_ls(rows: list[StepRow]) -> str:
+    """The steps as a table; '-' for what the storage cannot tell, '~' before sizes taken from
+    the manifest (chunk files and manifest, not every small file)."""
     table = [["STEP", "STATE", "SIZE", "FILES", "WRITTEN", "PATH"]]
     for r in rows:
+        approx = "~" if r.sized_by == "manifest" else ""
         table.append([
-            "-" if r.step is None else str(r.step), r.state, human_bytes(r.size), str(r.files),
-            local_time(r.written), r.path + (f"  ({r.problem})" if r.problem else ""),
+            "-" if r.step is None else str(r.step), r.state,
+            "-" if r.size is None else approx + human_bytes(r.size), "-" if r.files is None else approx + str(r.files),
+            "-" if r.written is None else local_time(r.written), r.path + (f"  ({r.problem})" if r.problem else ""),
         ])
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     right = {0, 2, 3}

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from ckpt import _dtypes
-from ckpt._layout import ShardingInfo, full_box, named_boxes, spec_axes
+from ckpt._layout import ShardingInfo, full_box, mesh_fit_problem, named_boxes
 from ckpt._manifest import ARRAY_KINDS, JAX_ARRAY, PRNG_KEY, Manifest
 from ckpt._plan import plan_leaf_read
 from ckpt._tree import display_path
@@ -84,15 +84,9 @@ def _placement(rec, names: tuple[str, ...], sizes: tuple[int, ...]) -> tuple[dic
     ndim = len(rec.shape)
     spec = tuple(info.spec) if info.kind == "named" else ()
     spec = spec + (None,) * (ndim - len(spec))  # PRNG key data: trailing dimensions unsharded
-    for dim, entry in enumerate(spec):
-        for axis in spec_axes(entry):
-            if axis not in names:
-                return None, (f"saved PartitionSpec uses mesh axis {axis!r}, which the mesh "
-                              f"{names} does not have")
-        parts = math.prod(sizes[names.index(a)] for a in spec_axes(entry))
-        if rec.shape[dim] % parts:
-            return None, (f"dimension {dim} of size {rec.shape[dim]} cannot be split over mesh axis "
-                          f"{'x'.join(spec_axes(entry))} of size {parts}")
+    why = mesh_fit_problem(rec.shape, spec, names, sizes)
+    if why is not None:
+        return None, why
     return named_boxes(rec.shape, names, sizes, spec), None
 
 
@@ -109,9 +103,9 @@ def dry_run_restore(manifest: Manifest, names: tuple[str, ...], sizes: tuple[int
         if why is not None:
             run.unplaceable.append((rec.path, why))
             continue
-        zarr = rec.storage["type"] == "zarr"
+        zarr = rec.zarr is not None
         # Inline data is one whole-array chunk (at least 1 per dimension, for empty arrays), as in restore.
-        chunk_shape = rec.storage["chunk_shape"] if zarr else tuple(max(1, n) for n in rec.shape)
+        chunk_shape = rec.chunk_shape
         itemsize = _dtypes.dtype_from_name(rec.dtype).itemsize
         positions = list(boxes_by_position) if boxes_by_position is not None else []
         leaf = run.per_leaf.setdefault(rec.path, ReadTotals())
@@ -155,7 +149,7 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 
 def render_dry_run(run: DryRun, path: str, per_leaf: bool) -> str:
-    from ckpt._inspect import human_bytes
+    from ckpt.cli._render import human_bytes
 
     devices = math.prod(run.axis_sizes)
     mesh = ",".join(f"{a}={n}" for a, n in zip(run.axis_names, run.axis_sizes))

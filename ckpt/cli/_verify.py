@@ -1,9 +1,10 @@
-"""`ckpt verify`: read every chunk file of a checkpoint and check it against the manifest.
+"""`ckpt verify`: read every chunk of a checkpoint and check it against the manifest.
 
-Chunk files are read directly, as formats/SPEC.md lays them out (uncompressed, little-endian,
-C order), not through the storage engine: the check is then exactly the one a third-party
-reader would make, a missing or short file is reported as such rather than as a decode error,
-and a bad chunk does not stop the scan, so every bad chunk is named.
+Chunks are read whole through the storage interface (``Storage.read_chunk``, as restore reads
+them) on any backend, and checked as formats/SPEC.md defines them (uncompressed, little-endian,
+C order, CRC-32C of the part inside the array): the check is exactly the one a third-party reader
+would make, a missing or short chunk is reported as such rather than as a decode error, and a
+bad chunk does not stop the scan, so every bad chunk is named.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from typing import Callable, TextIO
 import crc32c
 import numpy as np
 
+from ckpt._errors import CheckpointError
 from ckpt._layout import box_shape, chunk_box, chunk_grid, chunk_key
-from ckpt._manifest import Manifest
+from ckpt._manifest import ARRAY_KINDS, Manifest, ZarrStorage
 from ckpt._tree import display_path
+from ckpt.storage import Storage
 
-READ_BLOCK = 8 << 20
+ZARR_JSON_LIMIT = 1 << 20  # an array's zarr.json is a few hundred bytes
+# Chunks in flight at once: each is held whole in memory while it is checked.
 WORKERS = max(4, min(16, 2 * (os.cpu_count() or 1)))
 
 
@@ -61,7 +65,8 @@ class _ChunkTask:
     order: tuple[int, int]
     leaf: str
     index: tuple[int, ...]
-    file: str
+    array: str  # the array's storage path (from the manifest)
+    file: str  # the chunk's full location, for messages
     chunk_shape: tuple[int, ...]
     box_shape: tuple[int, ...]
     dtype: np.dtype  # storage dtype, little-endian
@@ -72,17 +77,15 @@ class _ChunkTask:
         return math.prod(self.chunk_shape) * self.dtype.itemsize
 
 
-def _array_metadata_problem(array_dir: str, storage: dict, shape: list[int]) -> tuple[str | None, bool]:
+def _array_metadata_problem(storage: Storage, array: str, st: ZarrStorage, shape: list[int]) -> tuple[str | None, bool]:
     """(why the array's zarr.json does not describe the layout the manifest records or None,
     whether its chunk files can still be checked as the manifest lays them out)."""
-    path = os.path.join(array_dir, "zarr.json")
     try:
-        with open(path, "rb") as f:
-            meta = json.loads(f.read())
+        meta = json.loads(storage.get(f"{array}/zarr.json", max_bytes=ZARR_JSON_LIMIT))
     except FileNotFoundError:
         return "zarr.json is missing", True
-    except (OSError, ValueError) as e:
-        return f"zarr.json is unreadable ({e})", True
+    except (OSError, CheckpointError, ValueError) as e:
+        return f"zarr.json is unreadable ({_without(str(e), storage.where(f'{array}/zarr.json'))})", True
     if not isinstance(meta, dict):
         return "zarr.json is not a JSON object", True
     grid = meta.get("chunk_grid") or {}
@@ -91,11 +94,11 @@ def _array_metadata_problem(array_dir: str, storage: dict, shape: list[int]) -> 
         (meta.get("zarr_format") == 3 and meta.get("node_type") == "array", "is not a Zarr v3 array", True),
         (meta.get("shape") == list(shape), f"shape {meta.get('shape')} differs from the manifest's {list(shape)}",
          True),
-        (meta.get("data_type") == storage["data_type"],
-         f"data_type {meta.get('data_type')!r} differs from the manifest's {storage['data_type']!r}", False),
+        (meta.get("data_type") == st.data_type,
+         f"data_type {meta.get('data_type')!r} differs from the manifest's {st.data_type!r}", False),
         (grid.get("name") == "regular"
-         and (grid.get("configuration") or {}).get("chunk_shape") == storage["chunk_shape"],
-         f"chunk grid {grid} differs from the manifest's chunk_shape {storage['chunk_shape']}", False),
+         and (grid.get("configuration") or {}).get("chunk_shape") == list(st.chunk_shape),
+         f"chunk grid {grid} differs from the manifest's chunk_shape {list(st.chunk_shape)}", False),
         ((meta.get("chunk_key_encoding") or {}).get("name") == "default"
          and ((meta.get("chunk_key_encoding") or {}).get("configuration") or {}).get("separator", "/") == "/",
          f"chunk_key_encoding {meta.get('chunk_key_encoding')} is not the default '/' encoding", False),
@@ -110,65 +113,67 @@ def _array_metadata_problem(array_dir: str, storage: dict, shape: list[int]) -> 
     return None, True
 
 
-def _check_chunk(task: _ChunkTask) -> str | None:
-    """Why the chunk file is bad, or None when it is intact."""
+def _without(text: str, where: str) -> str:
+    """An engine's message about the object at `where`, with `where` said as 'file' (the problem
+    line names the file already)."""
+    return "file" + text[len(where):] if text.startswith(where) else text
+
+
+def _check_chunk(storage: Storage, task: _ChunkTask) -> str | None:
+    """Why the chunk is bad, or None when it is intact."""
     try:
-        with open(task.file, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != task.file_bytes:
-                if size < task.file_bytes:
-                    return f"file is truncated: {size} of {task.file_bytes} bytes"
-                return f"file has {size} bytes, expected {task.file_bytes}"
-            if task.box_shape == task.chunk_shape:
-                crc = 0
-                while block := f.read(READ_BLOCK):
-                    crc = crc32c.crc32c(block, crc)
-            else:
-                # An edge chunk: the checksum covers the part inside the array, not the padding.
-                a = np.frombuffer(f.read(), dtype=task.dtype).reshape(task.chunk_shape)
-                part = a[tuple(slice(0, n) for n in task.box_shape)]
-                crc = crc32c.crc32c(np.ascontiguousarray(part).reshape(-1).view(np.uint8))
+        raw = storage.read_chunk(task.array, task.index, task.file_bytes)
     except FileNotFoundError:
         return "file is missing"
+    except CheckpointError as e:  # the engines report a wrong size this way
+        return _without(str(e), task.file)
     except OSError as e:
         return f"cannot read the file ({e.strerror or e})"
+    if task.box_shape == task.chunk_shape:
+        crc = crc32c.crc32c(raw)
+    else:
+        # An edge chunk: the checksum covers the part inside the array, not the padding.
+        part = raw.view(task.dtype).reshape(task.chunk_shape)[tuple(slice(0, n) for n in task.box_shape)]
+        crc = crc32c.crc32c(np.ascontiguousarray(part).reshape(-1).view(np.uint8))
     if crc != task.expected_crc:
         return f"checksum mismatch: crc32c of the data is {crc:#010x}, the manifest records {task.expected_crc:#010x}"
     return None
 
 
-def _tasks(root: str, manifest: Manifest, report: VerifyReport) -> list[_ChunkTask]:
+def _tasks(storage: Storage, manifest: Manifest, report: VerifyReport) -> list[_ChunkTask]:
     tasks = []
     for i, rec in enumerate(manifest.leaves):
-        st = rec.storage if isinstance(rec.storage, dict) else None
-        if st is None:
+        if rec.kind not in ARRAY_KINDS:
             continue
-        if st["type"] == "inline":
+        st = rec.zarr
+        if st is None:
             report.inline_arrays += 1  # its length was checked with the manifest
             continue
         report.arrays += 1
-        array_dir = os.path.join(root, st["path"])
-        why, chunks_readable = _array_metadata_problem(array_dir, st, list(rec.shape))
+        array = st.path
+        why, chunks_readable = _array_metadata_problem(storage, array, st, list(rec.shape))
         if why is not None:
-            report.problems.append(Problem(rec.path, None, os.path.join(array_dir, "zarr.json"), why))
+            report.problems.append(Problem(rec.path, None, storage.where(f"{array}/zarr.json"), why))
         if not chunks_readable:
             continue
-        dtype = np.dtype(st["data_type"]).newbyteorder("<")
-        chunk_shape = tuple(st["chunk_shape"])
+        dtype = np.dtype(st.data_type).newbyteorder("<")
+        chunk_shape = st.chunk_shape
         grid = chunk_grid(rec.shape, chunk_shape)
         for flat, index in enumerate(np.ndindex(*grid)):
             tasks.append(_ChunkTask(
-                (i, flat), rec.path, tuple(index), os.path.join(array_dir, chunk_key(index)), chunk_shape,
-                box_shape(chunk_box(index, chunk_shape, rec.shape)), dtype, st["chunk_checksums"][flat],
+                (i, flat), rec.path, tuple(index), array, storage.where(f"{array}/{chunk_key(index)}"), chunk_shape,
+                box_shape(chunk_box(index, chunk_shape, rec.shape)), dtype, st.chunk_checksums[flat],
             ))
     return tasks
 
 
-def verify_checkpoint(root: str, manifest: Manifest, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
-    """Check every chunk of every array; `progress(done_bytes, total_bytes)` is called as chunks finish."""
+def verify_checkpoint(storage: Storage, manifest: Manifest,
+                      progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+    """Check every chunk of every array of the checkpoint at `storage`; `progress(done_bytes,
+    total_bytes)` is called as chunks finish."""
     start = time.perf_counter()
     report = VerifyReport()
-    tasks = _tasks(root, manifest, report)
+    tasks = _tasks(storage, manifest, report)
     total = sum(t.file_bytes for t in tasks)
     done = 0
     found: list[tuple[tuple[int, int], Problem]] = []
@@ -176,8 +181,8 @@ def verify_checkpoint(root: str, manifest: Manifest, progress: Callable[[int, in
         pending: dict = {}
         queue = iter(tasks)
         while True:
-            while len(pending) < 2 * WORKERS and (task := next(queue, None)) is not None:
-                pending[pool.submit(_check_chunk, task)] = task
+            while len(pending) < WORKERS and (task := next(queue, None)) is not None:
+                pending[pool.submit(_check_chunk, storage, task)] = task
             if not pending:
                 break
             finished, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -206,7 +211,7 @@ class ProgressBar:
         self.shown = False
 
     def __call__(self, done: int, total: int) -> None:
-        from ckpt._inspect import human_bytes
+        from ckpt.cli._render import human_bytes
 
         now = time.perf_counter()
         if now - self.last < self.min_interval and done < total:

@@ -1,0 +1,9 @@
+"""The `ckpt` command line (docs/cli.md): ls, inspect, verify, diff, plan and bench.
+
+Kept apart from the library: nothing in ``ckpt`` imports it, and it reads checkpoints only
+through the public storage interface and the same readers restore uses.
+"""
+
+from ckpt.cli._main import main
+
+__all__ = ["main"]

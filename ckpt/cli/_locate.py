@@ -1,0 +1,155 @@
+"""From a command-line location to a checkpoint, through the storage interface.
+
+A location (local path, ``file://``, ``memory://``, ``s3://``, any fsspec URL) is a checkpoint
+itself or a manager directory (``step_<n>`` entries, formats/SPEC.md), optionally with a step in
+it. Everything here goes through ``ckpt.storage``, so every command works on every backend the
+library saves to, and sees generation-prefixed checkpoints exactly as restore does.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt import _dtypes
+from ckpt._commit import read_manifest
+from ckpt._errors import CheckpointError
+from ckpt._layout import chunk_grid
+from ckpt._manifest import Manifest
+from ckpt._options import Options, resolve
+from ckpt._steps import parse_step, scan_steps, step_dir_name
+from ckpt.storage import MANIFEST_NAME, TEMP_MARK, Storage, is_temp_name, open_storage
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A committed checkpoint, its manifest read and checked."""
+
+    storage: Storage
+    manifest: Manifest
+    note: str | None = None  # set when a step was picked out of a manager directory
+
+    @property
+    def root(self) -> str:
+        """The checkpoint's location, as shown to the user."""
+        return self.storage.url
+
+
+def _is_file(storage: Storage) -> bool:
+    """Whether the location itself is a file (object), not a directory (prefix). Lists the
+    parent, so it is asked only to explain an error."""
+    try:
+        return bool(storage.name) and storage.name in storage.parent().list_dir("")[0]
+    except (OSError, CheckpointError):
+        return False
+
+
+def _not_a_directory(storage: Storage) -> CheckpointError:
+    return CheckpointError(f"{storage.url} is not a directory (it is a file)")
+
+
+def _storage(location: Any, options: Options | None) -> Storage:
+    """The storage of `location`, which must hold something."""
+    storage = open_storage(location, resolve(options))
+    if not storage.exists_any():
+        if _is_file(storage):
+            raise _not_a_directory(storage)
+        raise FileNotFoundError(errno.ENOENT, "no such file or directory", storage.url)
+    return storage
+
+
+def _committed_steps(storage: Storage) -> list[int]:
+    return [e.step for e in scan_steps(storage) if e.committed]
+
+
+def open_checkpoint(location: Any, step: int | None = None, options: Options | None = None) -> Opened:
+    """The committed checkpoint at `location`, or the given (default: latest committed) step of
+    the manager directory at `location`, with its manifest read and checked."""
+    if step is not None:
+        name = step_dir_name(step)  # ValueError for a negative step, before any I/O
+    storage = _storage(location, options)
+    note = None
+    if step is not None:
+        if storage.exists(MANIFEST_NAME) and not scan_steps(storage):
+            raise CheckpointError(f"{storage.url} is a single checkpoint, not a manager directory: drop --step")
+        child = storage.child(name)
+        if not child.exists_any():
+            steps = _committed_steps(storage)
+            raise CheckpointError(f"no step {step} in {storage.url} (committed steps: {steps or 'none'})")
+        storage = child
+    elif not storage.exists(MANIFEST_NAME) and not is_temp_name(storage.name):
+        entries = scan_steps(storage)
+        if entries:
+            committed = [e for e in entries if e.committed]
+            if not committed:
+                raise CheckpointError(f"{storage.url} is a manager directory without a committed step")
+            note = f"step {committed[-1].step} (latest committed) of {storage.url}"
+            storage = storage.child(committed[-1].name)
+    return Opened(storage, read_manifest(storage), note)
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One line of `ckpt ls`. Sizes are None where the storage cannot tell them."""
+
+    step: int | None
+    path: str
+    state: str  # 'committed', 'uncommitted' or 'corrupt'
+    size: int | None
+    files: int | None
+    written: float | None  # seconds since the epoch: the manifest's 'created', else the newest file's time
+    problem: str | None = None
+    sized_by: str | None = None  # 'storage' (everything there), 'manifest' (chunks + manifest), None
+
+
+def manifest_size(manifest: Manifest, manifest_bytes: int) -> tuple[int, int]:
+    """(bytes, files) of a committed checkpoint as its manifest describes it: every chunk file
+    plus the manifest (the small zarr.json files are not counted). For storage that cannot report
+    sizes without reading every object."""
+    total, files = manifest_bytes, 1
+    for rec in manifest.leaves:
+        st = rec.zarr
+        if st is None:
+            continue
+        chunks = math.prod(chunk_grid(rec.shape, st.chunk_shape))
+        itemsize = _dtypes.dtype_from_name(st.data_type).itemsize
+        total += chunks * math.prod(st.chunk_shape) * itemsize
+        files += chunks
+    return total, files
+
+
+def _row(step: int | None, storage: Storage) -> StepRow:
+    usage = storage.du()
+    size, files, written = (usage.bytes, usage.files, usage.modified) if usage else (None, None, None)
+    sized_by = "storage" if usage else None
+    state, problem = "uncommitted", None
+    if not is_temp_name(storage.name) and storage.exists(MANIFEST_NAME):
+        try:
+            manifest = read_manifest(storage)
+        except CheckpointError as e:
+            state, problem = "corrupt", str(e).splitlines()[0]
+        else:
+            state, written = "committed", manifest.created
+            if usage is None:
+                # Only the size can be wrong here (a manifest of at most 1 GiB was just read).
+                manifest_bytes = len(storage.get(MANIFEST_NAME, max_bytes=1 << 30))
+                (size, files), sized_by = manifest_size(manifest, manifest_bytes), "manifest"
+    return StepRow(step, storage.url, state, size, files, written, problem, sized_by)
+
+
+def list_steps(location: Any, options: Options | None = None) -> list[StepRow]:
+    """Every step of a manager directory, or the one checkpoint at `location`."""
+    storage = _storage(location, options)
+    has_manifest = storage.exists(MANIFEST_NAME)
+    entries = [] if has_manifest else scan_steps(storage)
+    if entries:
+        return [_row(e.step, storage.child(e.name)) for e in entries]
+    if has_manifest or is_temp_name(storage.name):
+        return [_row(parse_step(storage.name.split(TEMP_MARK)[0]), storage)]
+    if _is_file(storage):
+        raise _not_a_directory(storage)
+    raise CheckpointError(
+        f"{storage.url} is neither a checkpoint (no {MANIFEST_NAME}) nor a manager directory (no step_* entries)"
+    )
