@@ -189,7 +189,7 @@ def save(path, tree: Any, *, overwrite: bool = False, options: Options | None = 
 
 
 def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, primary: bool,
-                  copied: threading.Event, max_inflight_bytes: int) -> dict:
+                  copied: threading.Event, max_inflight_bytes: int, prefix: str = "") -> dict:
     """Write this process's chunks as their host copies arrive; return their CRC-32Cs.
 
     While the caller is still copying (`copied` not set), few writes go out
@@ -243,7 +243,10 @@ def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, pri
         if primary:
             # Metadata last: the small fsynced files then overlap the chunk writes in flight.
             created = [storage.create_array(leaves[i].record.zarr.path, spec) for i, spec in specs.items()]
-            created += _group_metadata_puts(storage, leaves)
+            if specs or not prefix:
+                # (A generation prefix holding only group metadata would be referenced by no
+                # manifest path, so no overwrite could ever find and delete it.)
+                created += _group_metadata_puts(storage, leaves)
         for fut, _ in inflight:
             fut.result()
         for fut in created:
@@ -288,7 +291,7 @@ class _SaveJob:
         sums: dict = {}
         try:
             sums = _write_chunks(self.staged.storage, self.leaves, chunks, primary, copied,
-                                 self.options.max_inflight_bytes)
+                                 self.options.max_inflight_bytes, self.staged.prefix)
             POOL.give_back(buffers)  # every write is done and the copy loop has ended
         except BaseException as e:
             error = e

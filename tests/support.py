@@ -185,7 +185,7 @@ class _Rule:
     times: int | None = None
     when: Callable | None = None  # (where, args) -> bool
     seen: int = 0  # matching calls so far
-    result: Callable | None = None  # (result, args) -> result, for `after` hooks
+    result: Callable | None = None  # (result, *args) -> result, for `after` hooks
     in_future: bool = False
 
 
