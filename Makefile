@@ -4,12 +4,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-adversarial-long docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,docs]'
 	touch $(STAMP)
 
 DEMO_DIR ?= /tmp/jax-ckpt-demo
@@ -22,10 +22,22 @@ demo: $(STAMP)
 	$(VENV)/bin/ckpt ls $(DEMO_DIR)
 
 test: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(SITE_DIR)
 	$(PY) -m pytest -q tests
+
+# The adversarial suite at full length: every manifest field with every hostile value, every
+# byte of the metadata flipped, 20000 fuzz examples, 500 concurrent steps (tests/adversarial).
+test-adversarial-long: $(STAMP)
+	CKPT_ADVERSARIAL=long $(PY) -m pytest -q -s tests/adversarial
+
+SITE_DIR ?= site
+
+# The documentation site (mkdocs.yml) into $(SITE_DIR)/; open $(SITE_DIR)/index.html.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir $(SITE_DIR)
 
 bench: $(STAMP)
 	$(PY) -m ckpt.bench --gib 2
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache site

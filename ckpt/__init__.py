@@ -5,6 +5,7 @@ Public API:
     save_async(path, tree, *, overwrite=False, options=None) -> SaveHandle
     restore(path, target=None, *, mesh=None, partial=False, verify=True, options=None)
     metadata(path, *, options=None)
+    convert(src, dest, *, overwrite=False, options=None)   (an Orbax checkpoint -> jax-ckpt)
     CheckpointManager(directory, ..., options=None)
     Options, ArrayMetadata, SaveHandle, CheckpointError, TreeMismatchError, ChecksumError
 
@@ -14,6 +15,7 @@ storage engines behind them live in ckpt.storage (docs/storage.md).
 
 __version__ = "0.1.0"
 
+from ckpt._convert import convert
 from ckpt._errors import CheckpointError, ChecksumError, TreeMismatchError
 from ckpt._manager import CheckpointManager
 from ckpt._metadata import ArrayMetadata, metadata
@@ -29,6 +31,7 @@ __all__ = [
     "Options",
     "SaveHandle",
     "TreeMismatchError",
+    "convert",
     "metadata",
     "restore",
     "save",

@@ -23,7 +23,6 @@ from typing import Callable, Iterable, Protocol
 
 from ckpt._errors import CheckpointError
 from ckpt._manifest import Manifest
-from ckpt._manifest_check import check_manifest
 from ckpt.storage import GENERATION_MARK, MANIFEST_NAME, TEMP_MARK, Staged, Storage, is_temp_name
 
 # A manifest holds one record per leaf plus arrays of at most INLINE_LIMIT bytes; nothing a
@@ -91,8 +90,10 @@ def current_coordinator() -> Coordinator:
 
 
 def read_manifest(storage: Storage) -> Manifest:
-    """The manifest of the committed checkpoint at `storage`, with the errors readers expect."""
-    if is_temp_name(storage.name):
+    """The manifest of the committed checkpoint at `storage`, with the errors readers expect:
+    checked against its own checksum and validated (``_manifest_check``) before it is returned.
+    A ``.tmp-`` directory is refused whatever it holds (also when reached through a link)."""
+    if is_temp_name(storage.name) or is_temp_name(storage.resolved_name):
         raise CheckpointError(
             f"{storage.url} is not a committed checkpoint: it is the temporary directory of a save that never committed"
         )
@@ -108,7 +109,7 @@ def read_manifest(storage: Storage) -> Manifest:
         raise CheckpointError(
             f"{storage.url} is not a committed checkpoint: it has no {MANIFEST_NAME}; a save may not have committed"
         ) from None
-    return check_manifest(Manifest.decode(data, storage.url), storage.url)
+    return Manifest.decode(data, storage.where(MANIFEST_NAME))
 
 
 def _old_data(storage: Storage) -> Callable[[], Iterable[str]]:
@@ -120,7 +121,10 @@ def _old_data(storage: Storage) -> Callable[[], Iterable[str]]:
             old = read_manifest(storage)
         except (OSError, CheckpointError):
             return []
-        tops = {l.zarr.path.split("/", 1)[0] for l in old.leaves if l.zarr is not None}
+        paths = [l.zarr.path for l in old.leaves if l.zarr is not None]
+        paths += [s.zarr.path for s in getattr(old, "stacks", ())]
+        tops = {p.split("/", 1)[0] for p in paths}
+        tops |= {st.zarr.path.split("/", 1)[0] for st in old.stacks}
         flat = [t for t in tops if not t.startswith(GENERATION_MARK)]
         return sorted(tops) + (["zarr.json"] if flat else [])
 

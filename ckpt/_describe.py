@@ -3,6 +3,8 @@ as a Zarr array with which chunk shape), and where its unique shards live. No I/
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,9 +17,9 @@ from ckpt._errors import CheckpointError
 from ckpt._layout import describe_sharding, full_box, index_to_box
 from ckpt._manifest import (
     INLINE_LIMIT, JAX_ARRAY, NUMPY, NUMPY_SCALAR, PRNG_KEY, PY_BOOL, PY_BYTES, PY_COMPLEX, PY_FLOAT,
-    PY_INT, PY_STR, InlineStorage, LeafRecord, ZarrStorage,
+    PY_INT, PY_STR, InlineStorage, LeafRecord, Stack, StackedStorage, ZarrStorage,
 )
-from ckpt._plan import HOST, ArrayShards
+from ckpt._plan import HOST, ArrayShards, SavePlan
 from ckpt._tree import FlatLeaf, display_path
 
 
@@ -27,6 +29,29 @@ class Leaf:
     source: Any = None  # jax.Array / np.ndarray to write chunks from (None when inline)
     chunk_shape: tuple[int, ...] | None = None
     logical_dtype: np.dtype | None = None
+
+
+# Where stacks of packed small arrays live, below the data root ('~' never begins a leaf's
+# escaped storage path, except the '~<leaf index>' of a clash, which is never '~stacks').
+STACKS_DIR = "~stacks"
+
+
+# Per dtype, not per leaf (numpy computes dtype names in Python; thousands of leaves share a few).
+@functools.lru_cache(maxsize=256)
+def _is_key(dtype) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+@functools.lru_cache(maxsize=64)
+def _sharding_record(sharding) -> dict:
+    # Trees share a handful of shardings among thousands of leaves. The record is shared by
+    # every leaf with this sharding and never modified.
+    return describe_sharding(sharding).to_record()
 
 
 def _inline_record(rec: LeafRecord, host: np.ndarray) -> None:
@@ -43,16 +68,14 @@ def describe(leaf: FlatLeaf, process_count: int) -> Leaf:
             raise CheckpointError(f"leaf {display_path(path)!r}: the array was deleted (donated?) before the save")
         data = v
         rec.kind = JAX_ARRAY
-        if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):
+        if _is_key(v.dtype):
             rec.kind, rec.prng_impl = PRNG_KEY, str(jax.random.key_impl(v))
             data = jax.random.key_data(v)
-        rec.shape, rec.dtype = tuple(data.shape), np.dtype(data.dtype).name
-        rec.sharding = describe_sharding(v.sharding).to_record()
+        rec.shape, rec.dtype = tuple(data.shape), _dtype_name(data.dtype)
+        rec.sharding = _sharding_record(v.sharding)
         nbytes = data.size * data.dtype.itemsize
-        replicated_on_primary = data.sharding.is_fully_replicated and any(
-            d.process_index == 0 for d in data.sharding.device_set
-        )
-        if nbytes <= INLINE_LIMIT and (process_count == 1 or replicated_on_primary):
+        if nbytes <= INLINE_LIMIT and (process_count == 1 or (data.sharding.is_fully_replicated and any(
+                d.process_index == 0 for d in data.sharding.device_set))):
             full = data.addressable_shards[0].data if process_count > 1 else data
             _inline_record(rec, np.asarray(full))
             return Leaf(rec)
@@ -87,8 +110,21 @@ def describe(leaf: FlatLeaf, process_count: int) -> Leaf:
     else:
         raise CheckpointError(
             f"leaf {display_path(path)!r}: cannot save a value of type {type(v).__module__}.{type(v).__qualname__}"
+            + _not_data_hint(v)
         )
     return Leaf(rec)
+
+
+def _not_data_hint(v: Any) -> str:
+    import sys
+
+    if not callable(v):
+        return ""
+    if "equinox" in sys.modules:  # a whole equinox Module holds its functions (activations...) as leaves
+        return ("; a function is not data: save only the arrays of an equinox Module, "
+                "eqx.filter(model, eqx.is_array) or the first half of eqx.partition(model, eqx.is_array), and "
+                "eqx.combine the restored arrays with the rest (docs/frameworks/equinox.md)")
+    return "; a function is not data: save only the arrays (and numbers, strings) of the tree"
 
 
 def finish_array_records(leaves: list[Leaf], paths: list[str]) -> None:
@@ -100,7 +136,29 @@ def finish_array_records(leaves: list[Leaf], paths: list[str]) -> None:
         leaf.record.storage = ZarrStorage(spath, tuple(leaf.chunk_shape), storage_dtype.name, encoding, ALGORITHM)
 
 
+def pack_records(leaves: list[Leaf], plan: SavePlan) -> list[Stack]:
+    """Give the leaves the plan packs their storage: one whole-array chunk, or a member of a
+    stack (at STACKS_DIR/<stack>). Returns the stacks (their checksums are filled in at commit)."""
+    for i in plan.whole:
+        leaf = leaves[i]
+        leaf.chunk_shape = tuple(leaf.record.shape)
+        leaf.record.storage = dataclasses.replace(leaf.record.storage, chunk_shape=leaf.chunk_shape)
+    stacks = []
+    for s, planned in enumerate(plan.stacks):
+        storage_dtype, encoding = _dtypes.storage_of(_dtypes.dtype_from_name(planned.dtype))
+        zarr = ZarrStorage(f"{STACKS_DIR}/{s}", (planned.chunk_members, *planned.shape), storage_dtype.name,
+                           encoding, ALGORITHM)
+        stack = Stack((len(planned.members), *planned.shape), planned.dtype, zarr)
+        stacks.append(stack)
+        for k, i in enumerate(planned.members):
+            leaves[i].record.storage = StackedStorage(s, k, stack)
+            leaves[i].chunk_shape = None
+    return stacks
+
+
 def array_shards(leaves: list[Leaf]) -> list[ArrayShards]:
+    """The unique regions of every array leaf written as Zarr, with their holders, shapes and
+    dtypes (for packing)."""
     out, cache = [], {}
     for i, leaf in enumerate(leaves):
         src = leaf.source
@@ -116,5 +174,5 @@ def array_shards(leaves: list[Leaf]) -> list[ArrayShards]:
                     holders.setdefault(index_to_box(idx, src.shape), []).append((d.process_index, d.id))
                 cache[key] = holders
             holders = cache[key]
-        out.append(ArrayShards(i, src.dtype.itemsize, holders))
+        out.append(ArrayShards(i, src.dtype.itemsize, holders, tuple(leaf.record.shape), leaf.record.dtype))
     return out

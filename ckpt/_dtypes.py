@@ -9,6 +9,8 @@ both zarr-python and TensorStore open, with the logical dtype recorded beside it
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 
@@ -19,7 +21,19 @@ _ZARR_CORE = frozenset(
 
 BITS, VALUES, NATIVE = "bits", "values", "native"
 
+# Every logical dtype the library writes, and so the only dtype names a manifest may hold
+# (formats/SPEC.md section 6): the Zarr core types plus the ml_dtypes types. Anything else
+# (object, str, datetime, structured, void, longdouble...) is refused on save and on read.
+STORABLE = _ZARR_CORE | frozenset(
+    name for name in dir(ml_dtypes)
+    if not name.startswith("_") and isinstance(getattr(ml_dtypes, name), type)
+    and issubclass(getattr(ml_dtypes, name), np.generic) and np.dtype(getattr(ml_dtypes, name)).name == name
+)
 
+
+# Cached (bounded): called for every leaf of every save and restore, and numpy's dtype names are
+# computed in Python; trees of thousands of leaves use a handful of dtypes.
+@functools.lru_cache(maxsize=1024)
 def dtype_from_name(name: str) -> np.dtype:
     """np.dtype for a name such as 'float32' or 'bfloat16' (ml_dtypes names included)."""
     try:
@@ -32,9 +46,12 @@ def dtype_from_name(name: str) -> np.dtype:
         raise TypeError(f"unknown dtype {name!r}") from None
 
 
+@functools.lru_cache(maxsize=1024)
 def storage_of(logical: np.dtype) -> tuple[np.dtype, str]:
-    """(storage dtype, encoding) for a logical dtype."""
+    """(storage dtype, encoding) for a logical dtype; TypeError for a dtype outside STORABLE."""
     logical = np.dtype(logical)
+    if logical.name not in STORABLE:
+        raise TypeError(f"cannot store dtype {logical.name}")
     if logical.name in _ZARR_CORE:
         return logical, NATIVE
     try:

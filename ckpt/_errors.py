@@ -5,14 +5,24 @@ from __future__ import annotations
 
 
 class CheckpointError(Exception):
-    """Base class of every ckpt error."""
+    """Base class of every ckpt error: a checkpoint that is not one, is damaged, or does not
+    fit what was asked (its message names the leaf, chunk, file or process at fault).
+
+    Storage failures are ``OSError`` (``FileNotFoundError`` for a missing path,
+    ``FileExistsError`` for a save onto an existing checkpoint), not subclasses of this.
+    """
 
 
 class TreeMismatchError(CheckpointError):
-    """The target tree does not match the saved tree.
+    """The target tree of a restore does not match the saved tree.
 
-    ``missing`` lists saved key paths the target lacks; ``unexpected`` lists target key paths
-    that were never saved.
+    Args:
+        missing: saved key paths the target lacks.
+        unexpected: target key paths that were never saved.
+
+    Attributes:
+        missing: saved key paths the target lacks (empty with ``partial=True``).
+        unexpected: target key paths that were never saved.
     """
 
     def __init__(self, missing: list[str], unexpected: list[str]):
@@ -29,7 +39,19 @@ class TreeMismatchError(CheckpointError):
 
 
 class ChecksumError(CheckpointError):
-    """A chunk's bytes do not match the checksum recorded when it was saved."""
+    """A chunk's bytes do not match the CRC-32C recorded when it was saved.
+
+    Args:
+        leaf: the leaf's key path.
+        chunk: the chunk's index in the array's chunk grid.
+        file: the chunk file's location.
+        detail: what was found, for the message.
+
+    Attributes:
+        leaf: the leaf's key path.
+        chunk: the chunk's index in the array's chunk grid.
+        file: the chunk file's location.
+    """
 
     def __init__(self, leaf: str, chunk: tuple[int, ...], file: str, detail: str):
         self.leaf, self.chunk, self.file = leaf, tuple(chunk), file

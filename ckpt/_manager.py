@@ -5,14 +5,19 @@ Every step is a plain checkpoint at ``<directory>/step_<8+ digits>`` that ``ckpt
 ``ckpt.metadata`` open directly; the directory may be any location (docs/storage.md). A step is
 committed once its manifest exists (formats/SPEC.md sections 9-10), so ``all_steps()`` lists the
 directory and checks for manifests; ``.tmp-`` directories (local disk) and step prefixes without
-a manifest (elsewhere) are saves that never committed, or steps half-deleted, and the next
-manager removes them.
+a manifest (elsewhere) are saves in progress, saves that never committed, or steps half-deleted.
+
+Opening a manager, listing, restoring and reading metadata never change the directory: another
+process may be saving there. Only a manager that saves (process 0) deletes anything: it claims
+the directory (``Storage.lock_saves``: a second saving manager gets a CheckpointError naming the
+first), and after each commit removes old steps under its retention policy and the leftovers of
+saves that provably died (``Storage.leftovers``), never a save in progress.
 
 Multi-process jobs: every process creates a manager on the same shared directory and calls the
 same methods in the same order. Decisions every process must agree on (``should_save``, whether
 ``save`` starts a save, when a background failure is raised) depend only on that call sequence
 and on the directory as it was when the manager opened, never on timing. Only process 0
-deletes: old steps after each commit and leftover temporary directories.
+deletes: old steps after each commit and leftovers of dead saves.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from ckpt._restore import restore as _restore
 from ckpt._save import SaveHandle, start_save
 from ckpt._steps import scan_steps, step_dir_name
 from ckpt.storage import MANIFEST_NAME, Storage, is_temp_name, open_storage
+from ckpt.storage._base import NotDurableError, SaveLock
 
 # Metadata travels inside the manifest, which every restore reads whole.
 METADATA_LIMIT_BYTES = 1 << 20
@@ -106,21 +112,33 @@ class _Pending:
 
 
 class CheckpointManager:
-    """Saves a training run's steps under `directory`, each a checkpoint of its own.
+    """Saves a training run's steps under `directory`, each a checkpoint of its own
+    (``step_<8+ digits>``), in the background, and deletes old ones.
 
-    - ``max_to_keep``: after each commit, keep only the newest this many steps (None: keep all)
-      plus every step divisible by ``keep_every_n_steps``. The newest committed step is never
-      deleted, and deletion runs in the background.
-    - ``save_interval_steps``: ``should_save(step)`` is True for multiples of it.
-    - ``async_save``: ``save`` returns once the state is copied to host memory (the arrays may
-      then be donated); with False it returns once the step is committed.
+    Opening a manager reads the directory and changes nothing in it (another process may be
+    saving there). Its first save claims the directory: a second manager saving to it gets a
+    CheckpointError naming the first. After each commit, process 0 removes old steps
+    (retention) and the leftovers of saves that provably died, never a save in progress. One
+    manager per directory per job; its methods are meant to be called from one thread. Use it
+    as a context manager, or call ``close()``.
 
-    - ``options``: engine, concurrency and memory settings for every save and restore
-      (``ckpt.Options``); `directory` may be any location ``ckpt.save`` accepts.
+    Args:
+        directory (str | os.PathLike): any location ``ckpt.save`` accepts (a local path,
+            ``s3://``, ``gs://``...); created by the first save if missing.
+        max_to_keep: after each commit, keep only the newest this many steps, plus every step
+            divisible by `keep_every_n_steps`; None keeps all. The newest committed step is
+            never deleted, and deletion runs in the background.
+        keep_every_n_steps: also keep every step divisible by this.
+        save_interval_steps: ``should_save(step)`` is True for multiples of it.
+        async_save: ``save`` returns once the state is copied to host memory (the arrays may then
+            be donated); with False it returns once the step is committed.
+        options: engine, concurrency and memory settings for every save and restore
+            (``ckpt.Options``), read once, now.
 
-    Opening a manager removes (in the background, on process 0) temporary directories left by
-    saves that never committed. One manager per directory per job; its methods are meant to be
-    called from one thread.
+    Raises:
+        ValueError: a count is not a positive integer, or an option is invalid.
+        TypeError: `options` is not a ``ckpt.Options``.
+        OSError: the storage failed.
     """
 
     def __init__(self, directory, *, max_to_keep: int | None = None, keep_every_n_steps: int | None = None,
@@ -132,8 +150,8 @@ class CheckpointManager:
         self.keep_every_n_steps = _check_count("keep_every_n_steps", keep_every_n_steps, optional=True)
         self.save_interval_steps = _check_count("save_interval_steps", save_interval_steps, optional=False)
         self.async_save = bool(async_save)
-        self.storage.make_dirs()
         self._deletes = jax.process_index() == 0
+        self._saver_lock: SaveLock | None = None  # taken by the first save (process 0)
         self._closed = False
         self._pending: _Pending | None = None
         self._threads: list[threading.Thread] = []
@@ -146,35 +164,63 @@ class CheckpointManager:
         # later: every process of a job must make the same decisions.
         self._known_steps = {e.step for e in entries if e.committed}
         self._last_step = max(self._known_steps, default=None)
-        # Temporary directories, and step prefixes without a manifest on backends without
-        # directories (data of a save that never committed, or of a step half-deleted).
-        leftovers = [e.name for e in entries if is_temp_name(e.name) or (not self.storage.renames and not e.committed)]
-        if self._deletes and leftovers:
-            self._start_background(self._remove_leftovers, leftovers, name="ckpt-manager-cleanup")
 
     # ---- queries -------------------------------------------------------------------------
 
     def all_steps(self) -> list[int]:
-        """Committed steps, sorted."""
+        """The committed steps, listed from storage now.
+
+        Returns:
+            The step numbers whose manifest exists, sorted.
+        """
         return [e.step for e in scan_steps(self.storage) if e.committed]
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None when there is none."""
+        """The newest committed step.
+
+        Returns:
+            The largest committed step number, or None when there is none.
+        """
         steps = self.all_steps()
         return steps[-1] if steps else None
 
     def should_save(self, step: int) -> bool:
-        """True when `step` is a multiple of save_interval_steps and newer than every step
-        already saved (or being saved) here."""
+        """Whether ``save(step, ...)`` would save.
+
+        Args:
+            step: the training step, an integer >= 0.
+
+        Returns:
+            True when `step` is a multiple of save_interval_steps and newer than every step
+            already saved (or being saved) here.
+
+        Raises:
+            TypeError: `step` is not an integer.
+            ValueError: `step` is negative.
+        """
         step = _as_step(step)
         if self._last_step is not None and step <= self._last_step:
             return False
         return step % self.save_interval_steps == 0
 
     def reached_preemption(self, step: int) -> bool:
-        """True when JAX's preemption sync point says every process reached `step` after a
-        preemption notice: save it with ``save(step, force=True)`` and stop. False when the
-        preemption service is not running (e.g. without jax.distributed)."""
+        """Whether the job was asked to stop and every process has reached `step`.
+
+        Call it at every step, on every process (JAX's preemption sync point requires it). When
+        it returns True, save with ``save(step, tree, force=True)`` and stop.
+
+        Args:
+            step: the training step, an integer >= 0.
+
+        Returns:
+            True when JAX's preemption sync point says every process reached `step` after a
+            preemption notice; False otherwise, and when the preemption service is not running
+            (e.g. without jax.distributed).
+
+        Raises:
+            TypeError: `step` is not an integer.
+            ValueError: `step` is negative.
+        """
         from jax.experimental import multihost_utils
 
         try:
@@ -183,18 +229,49 @@ class CheckpointManager:
             return False
 
     def step_path(self, step: int) -> str:
-        """The location of `step` (committed or not), as ``ckpt.restore`` accepts it."""
+        """Where `step` is (or would be) stored.
+
+        Args:
+            step: the step number, an integer >= 0.
+
+        Returns:
+            The step's location (committed or not), as ``ckpt.restore``, ``ckpt.metadata`` and
+            the ``ckpt`` command accept it.
+
+        Raises:
+            TypeError: `step` is not an integer.
+            ValueError: `step` is negative.
+        """
         return self.storage.where(step_dir_name(_as_step(step)))
 
     # ---- save ----------------------------------------------------------------------------
 
     def save(self, step: int, tree: Any, *, force: bool = False, metadata: dict | None = None) -> bool:
-        """Save `tree` as `step` if ``should_save(step)`` or `force`; return whether a save
-        started. A step already saved (or being saved) here is never saved again.
+        """Save `tree` as `step` if ``should_save(step)`` or `force`.
 
-        Waits for the previous save to commit first, and raises CheckpointError if it failed.
-        `metadata`: a small msgpack-able dict (metrics, data-loader position) stored with the
-        step; ``metadata(step)`` returns it (tuples come back as lists).
+        A step already saved (or being saved) here is never saved again. Waits for the previous
+        save to commit first. With ``async_save`` (the default) it returns once the host copies
+        are taken; the write, the commit and retention run in the background.
+
+        Args:
+            step: the training step, an integer >= 0.
+            tree: the pytree to save, as for ``ckpt.save``.
+            force: save even when ``should_save(step)`` is False (e.g. at preemption).
+            metadata: a small msgpack-able dict (metrics, data-loader position; at most 1 MiB
+                packed) stored with the step; ``metadata(step)`` returns it (tuples come back as
+                lists).
+
+        Returns:
+            Whether a save started.
+
+        Raises:
+            CheckpointError: the previous save failed in the background (raised once, with the
+                original error as ``__cause__``), a leaf cannot be saved, `metadata` cannot be
+                stored (naming the key), the manager is closed, or another manager is saving to
+                the directory (naming it).
+            NotADirectoryError: `directory` is a file.
+            TypeError: `step` is not an integer or `metadata` is not a dict.
+            ValueError: `step` is negative.
         """
         self._check_open()
         step = _as_step(step)
@@ -202,6 +279,9 @@ class CheckpointManager:
             return False
         stored = _snapshot_metadata(step, metadata)
         self._finish_pending()
+        if self._deletes and self._saver_lock is None:
+            self.storage.make_dirs()
+            self._saver_lock = self.storage.lock_saves()
         path = self.step_path(step)
         handle = start_save(self.storage.child(step_dir_name(step)), tree, user_metadata=stored, options=self.options)
         pending = _Pending(step, path, handle)
@@ -214,21 +294,31 @@ class CheckpointManager:
         return True
 
     def wait(self) -> None:
-        """Block until the save in flight has committed and background deletions are done;
-        raise CheckpointError if the save failed. (On processes other than 0, deletions
-        process 0 makes may still be under way.)"""
+        """Block until the save in flight has committed and background deletions are done.
+
+        On processes other than 0, deletions process 0 makes may still be under way.
+
+        Raises:
+            CheckpointError: the save in flight failed (nothing committed for that step).
+        """
         self._finish_pending()
         while self._threads:
             self._threads.pop(0).join()
 
     def close(self) -> None:
-        """Wait for everything in the background, then refuse further saves."""
+        """Wait for everything in the background, then refuse further saves.
+
+        Raises:
+            CheckpointError: the save in flight failed (the manager is closed all the same).
+        """
         if self._closed:
             return
         try:
             self.wait()
         finally:
             self._closed = True
+            if self._saver_lock is not None:
+                self._saver_lock.release()
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -246,12 +336,40 @@ class CheckpointManager:
 
     def restore(self, step: int | None = None, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
                 partial: bool = False) -> Any:
-        """``ckpt.restore`` of `step` (default: the latest committed step)."""
+        """``ckpt.restore`` of a step; retention leaves the step alone while it is read.
+
+        Args:
+            step: the step to restore; None: the latest committed step.
+            target: as for ``ckpt.restore``.
+            mesh: as for ``ckpt.restore``.
+            partial: as for ``ckpt.restore``.
+
+        Returns:
+            The restored tree, as ``ckpt.restore`` returns it.
+
+        Raises:
+            FileNotFoundError: no committed checkpoint in the directory, or `step` is not a
+                committed step (the message lists the committed ones).
+            CheckpointError: as for ``ckpt.restore``.
+            TreeMismatchError: as for ``ckpt.restore``.
+        """
         with self._pinned_step(step) as location:
             return _restore(location, target, mesh=mesh, partial=partial, options=self.options)
 
     def metadata(self, step: int | None = None) -> dict:
-        """The metadata dict saved with `step` (default: the latest); {} when none was given."""
+        """The metadata dict saved with a step.
+
+        Args:
+            step: the step; None: the latest committed step.
+
+        Returns:
+            The dict given to ``save(..., metadata=)``; {} when none was given.
+
+        Raises:
+            FileNotFoundError: no committed checkpoint in the directory, or `step` is not a
+                committed step.
+            CheckpointError: the step's manifest is damaged.
+        """
         with self._pinned_step(step) as location:
             stored = read_manifest(location).user_metadata
         return {} if stored is None else stored
@@ -274,7 +392,9 @@ class CheckpointManager:
         if pending is None:
             return
         pending.finished.wait()
-        if pending.error is not None:
+        if isinstance(pending.error, NotDurableError):  # committed: the step is saved
+            warnings.warn(f"step {pending.step}: {pending.error}", RuntimeWarning, stacklevel=3)
+        elif pending.error is not None:
             self._known_steps.discard(pending.step)
             self._last_step = max(self._known_steps, default=None)
             raise CheckpointError(
@@ -289,9 +409,12 @@ class CheckpointManager:
             pending.error = e
         finally:
             pending.finished.set()
-        if pending.error is None and self._deletes and self.max_to_keep is not None:
+        committed = pending.error is None or isinstance(pending.error, NotDurableError)
+        if committed and self._deletes:
             with self._background_lock:
-                self._apply_retention()
+                if self.max_to_keep is not None:
+                    self._apply_retention()
+                self._remove_leftovers()
 
     def _apply_retention(self) -> None:
         committed = self.all_steps()
@@ -313,14 +436,23 @@ class CheckpointManager:
                 warnings.warn(f"checkpoint manager could not delete step {step} in {self.directory}: {e}",
                               RuntimeWarning, stacklevel=1)
 
-    def _remove_leftovers(self, names: list[str]) -> None:
-        with self._background_lock:
-            for name in names:
-                try:
-                    self.storage.delete_tree(name)
-                except OSError as e:
-                    warnings.warn(f"checkpoint manager could not remove {self.storage.where(name)}: {e}",
-                                  RuntimeWarning, stacklevel=1)
+    def _remove_leftovers(self) -> None:
+        """Remove what saves that provably died left here. On local disk every commit already
+        removes dead temporary directories beside it (``Storage.commit``); elsewhere an
+        uncommitted step prefix holds generations, each judged by its owner record."""
+        if self.storage.renames:
+            return
+        try:
+            for entry in scan_steps(self.storage):
+                if entry.committed or is_temp_name(entry.name):
+                    continue
+                step = self.storage.child(entry.name)
+                for leftover in step.leftovers():
+                    if leftover.dead:
+                        step.remove_leftover(leftover)
+        except (OSError, CheckpointError) as e:
+            warnings.warn(f"checkpoint manager could not remove leftovers in {self.directory}: {e}",
+                          RuntimeWarning, stacklevel=1)
 
     @contextlib.contextmanager
     def _pinned_step(self, step: int | None) -> Iterator[Storage]:

@@ -3,21 +3,31 @@
 Its presence is what makes a directory a committed checkpoint. formats/SPEC.md describes every
 field; formats/manifest.schema.json is the same as a JSON Schema. msgpack only: no pickle,
 nothing executable, and any language can read it.
+
+The manifest protects itself: its last entry, ``manifest_crc32c``, is the CRC-32C of every byte
+of the file before that CRC (SPEC section 8), and ``zarr_json_crc32c`` records the CRC-32C of
+every ``zarr.json`` the checkpoint holds. A damaged manifest is an error naming the file, never
+different data; a decoded manifest is validated (``_manifest_check``) before anything uses it.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import crc32c
 import msgpack
 import numpy as np
 
 from ckpt._errors import CheckpointError
 
 FORMAT_NAME = "jax-ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Stacked storage (small arrays packed into one Zarr array) needs version 2; a manifest without
+# stacks is written as version 1, which every reader reads.
+STACKS_VERSION = 2
 MANIFEST_NAME = "manifest.msgpack"
 
 # Leaf kinds.
@@ -30,6 +40,12 @@ ARRAY_KINDS = (JAX_ARRAY, NUMPY, PRNG_KEY, NUMPY_SCALAR)
 
 # Arrays of at most this many bytes are stored inside the manifest, not as Zarr arrays.
 INLINE_LIMIT = 4096
+
+# The manifest's own checksum: the map's last entry, a 4-byte bin holding the big-endian CRC-32C
+# of every byte before it. So a file that carries one ends with exactly these bytes plus the CRC.
+CHECKSUM_KEY = "manifest_crc32c"
+CHECKSUM_TRAILER = msgpack.packb(CHECKSUM_KEY) + b"\xc4\x04"
+ZARR_JSON_KEY = "zarr_json_crc32c"
 
 
 @dataclass(frozen=True)
@@ -58,10 +74,36 @@ class ZarrStorage:
                 "data_type": self.data_type, "encoding": self.encoding, "checksum": self.checksum,
                 "chunk_checksums": list(self.chunk_checksums)}
 
-    @classmethod
-    def from_record(cls, rec: dict) -> "ZarrStorage":
-        return cls(rec["path"], tuple(rec["chunk_shape"]), rec["data_type"], rec["encoding"],
-                   rec["checksum"], tuple(rec["chunk_checksums"]))
+
+@dataclass(frozen=True)
+class Stack:
+    """Small arrays of one shape and logical dtype stored as one Zarr array (format version 2):
+    member k is index k along its first dimension; `zarr.chunk_shape` splits only that one."""
+
+    shape: tuple[int, ...]  # (members, *member shape)
+    dtype: str  # the members' logical dtype
+    zarr: ZarrStorage
+
+    def to_record(self) -> dict:
+        rec = self.zarr.to_record()
+        del rec["type"]
+        return {"shape": list(self.shape), "dtype": self.dtype, **rec}
+
+    @property
+    def member_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * np.dtype(self.zarr.data_type).itemsize
+
+
+@dataclass(frozen=True)
+class StackedStorage:
+    """An array stored as member `index` of stack number `stack` of the manifest (version 2)."""
+
+    stack: int
+    index: int
+    array: Stack = field(compare=False, repr=False)  # that stack
+
+    def to_record(self) -> dict:
+        return {"type": "stacked", "stack": self.stack, "index": self.index}
 
 
 @dataclass
@@ -70,7 +112,8 @@ class LeafRecord:
 
     For array kinds, `shape` and `dtype` are those of the stored data (for PRNG keys: the key
     data, e.g. uint32 with a trailing dimension of 2). `storage` is an InlineStorage or a
-    ZarrStorage (a raw map only between decoding and ``check_manifest``, which types it).
+    ZarrStorage. Records a reader gets have passed ``_manifest_check`` (every field typed and
+    within bounds).
     """
 
     path: str
@@ -78,7 +121,7 @@ class LeafRecord:
     shape: tuple[int, ...] | None = None
     dtype: str | None = None
     sharding: dict | None = None
-    storage: InlineStorage | ZarrStorage | dict | None = None
+    storage: InlineStorage | ZarrStorage | StackedStorage | dict | None = None
     value: Any = None
     prng_impl: str | None = None
 
@@ -93,28 +136,25 @@ class LeafRecord:
             rec["value"] = self.value
         return rec
 
-    @classmethod
-    def from_record(cls, rec: dict) -> "LeafRecord":
-        return cls(
-            path=rec["path"],
-            kind=rec["kind"],
-            shape=tuple(rec["shape"]) if "shape" in rec else None,
-            dtype=rec.get("dtype"),
-            sharding=rec.get("sharding"),
-            storage=rec.get("storage"),
-            value=rec.get("value"),
-            prng_impl=rec.get("prng_impl"),
-        )
-
     @property
     def zarr(self) -> ZarrStorage | None:
         """The Zarr storage of a validated array record, None when inline (or not an array)."""
         return self.storage if isinstance(self.storage, ZarrStorage) else None
 
     @property
+    def stacked(self) -> StackedStorage | None:
+        """The stack membership of a validated array record stored in a stack, else None."""
+        return self.storage if isinstance(self.storage, StackedStorage) else None
+
+    @property
+    def inline(self) -> bool:
+        """Whether a validated array record's data is inside the manifest."""
+        return isinstance(self.storage, InlineStorage)
+
+    @property
     def chunk_shape(self) -> tuple[int, ...]:
-        """The chunk shape reads plan with: the Zarr chunks, or one chunk for inline data (at
-        least 1 per dimension, for empty arrays)."""
+        """The chunk shape reads plan with: the Zarr chunks, or one chunk for inline and stacked
+        data (at least 1 per dimension, for empty arrays)."""
         if self.zarr is not None:
             return self.zarr.chunk_shape
         return tuple(max(1, n) for n in self.shape)
@@ -145,45 +185,69 @@ class Manifest:
     created: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
     library_version: str = ""
+    # CRC-32C of every zarr.json (key relative to the checkpoint -> CRC); None in manifests
+    # written before the format recorded them.
+    zarr_json: dict[str, int] | None = None
+    stacks: list[Stack] = field(default_factory=list)  # format version 2
 
     def encode(self) -> bytes:
-        return msgpack.packb(
-            {
-                "format": FORMAT_NAME,
-                "format_version": self.format_version,
-                "library_version": self.library_version,
-                "created": self.created,
-                "tree": self.tree,
-                "leaves": [leaf.to_record() for leaf in self.leaves],
-                "user_metadata": self.user_metadata,
-            },
-            use_bin_type=True,
-        )
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "library_version": self.library_version,
+            "created": self.created,
+            "tree": self.tree,
+            "leaves": [leaf.to_record() for leaf in self.leaves],
+            "user_metadata": self.user_metadata,
+        }
+        if self.stacks:
+            doc["stacks"] = [s.to_record() for s in self.stacks]
+        if self.zarr_json is not None:
+            doc[ZARR_JSON_KEY] = dict(self.zarr_json)
+        return seal(doc)
 
     @classmethod
     def decode(cls, data: bytes, where: str) -> "Manifest":
+        """The validated manifest in `data` (the bytes of `where`, a manifest file); raises
+        CheckpointError naming the file when it is damaged or breaks the format."""
+        from ckpt._manifest_check import manifest_from_doc
+
         try:
             doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        except Exception as e:
-            raise CheckpointError(f"{where}: manifest is corrupted ({e})") from None
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-            raise CheckpointError(f"{where}: not a {FORMAT_NAME} manifest")
-        version = doc.get("format_version")
-        if not isinstance(version, int) or version < 1:
-            raise CheckpointError(f"{where}: manifest has an invalid format_version {version!r}")
-        if version > FORMAT_VERSION:
-            raise CheckpointError(
-                f"{where}: checkpoint format_version {version} is newer than this jax-ckpt reads "
-                f"(up to {FORMAT_VERSION}); upgrade jax-ckpt to a release that reads format version {version}"
-            )
-        try:
-            return cls(
-                tree=doc["tree"],
-                leaves=[LeafRecord.from_record(r) for r in doc["leaves"]],
-                user_metadata=doc.get("user_metadata"),
-                created=doc.get("created", 0.0),
-                format_version=version,
-                library_version=doc.get("library_version", ""),
-            )
-        except (KeyError, TypeError) as e:
-            raise CheckpointError(f"{where}: manifest is missing a field ({e})") from None
+        except Exception as e:  # any malformed input: msgpack raises several kinds
+            raise CheckpointError(f"{where}: manifest is corrupted ({type(e).__name__}: {e})") from None
+        # Format and version first: a newer version may protect itself differently.
+        if isinstance(doc, dict) and doc.get("format") == FORMAT_NAME and isinstance(doc.get("format_version"), int) \
+                and not isinstance(doc.get("format_version"), bool) and 1 <= doc["format_version"] <= FORMAT_VERSION:
+            check_seal(data, doc, where)
+        return manifest_from_doc(doc, where)
+
+
+def seal(doc: dict) -> bytes:
+    """The manifest map `doc` packed, with its checksum as the last entry (SPEC section 8)."""
+    packed = msgpack.packb({**doc, CHECKSUM_KEY: bytes(4)}, use_bin_type=True)
+    if not packed.endswith(CHECKSUM_TRAILER + bytes(4)):
+        raise ValueError(f"{CHECKSUM_KEY} must be the manifest's last entry")
+    return packed[:-4] + crc32c.crc32c(packed[:-4]).to_bytes(4, "big")
+
+
+def check_seal(data: bytes, doc: dict, where: str) -> None:
+    """Raise CheckpointError unless the manifest's checksum (if it has one) matches its bytes.
+    A manifest without one (written before the format had it) is accepted as it is. A manifest
+    whose last entry holds 4 bytes is taken as sealed whatever that entry's key says (no
+    unsealed manifest ends so), so that a flip inside the key cannot pass for an old manifest."""
+    last_key, last_value = next(reversed(doc.items()), (None, None))
+    if CHECKSUM_KEY not in doc and not (isinstance(last_value, bytes) and len(last_value) == 4):
+        return
+    if last_key != CHECKSUM_KEY:
+        raise CheckpointError(f"{where}: manifest is corrupted: its last entry {last_key!r} is not {CHECKSUM_KEY!r}")
+    recorded = doc[CHECKSUM_KEY]
+    if not (isinstance(recorded, bytes) and len(recorded) == 4 and list(doc)[-1] == CHECKSUM_KEY
+            and data[-len(CHECKSUM_TRAILER) - 4:-4] == CHECKSUM_TRAILER and data[-4:] == recorded):
+        raise CheckpointError(f"{where}: manifest is corrupted: its {CHECKSUM_KEY} entry is malformed")
+    actual = crc32c.crc32c(data[:-4])
+    if actual != int.from_bytes(recorded, "big"):
+        raise CheckpointError(
+            f"{where}: manifest is corrupted: its CRC-32C is {actual:#010x}, but it records "
+            f"{int.from_bytes(recorded, 'big'):#010x} (the file was damaged after it was written)"
+        )

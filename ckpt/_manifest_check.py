@@ -1,141 +1,397 @@
-"""Structural checks of a decoded manifest, so that tools reading damaged or hand-edited
-checkpoints fail with one clear message naming the field at fault instead of a KeyError deep
-inside. The rules are those of formats/SPEC.md ("Manifest")."""
+"""The one validation step between a decoded manifest and everything that uses it.
+
+``manifest_from_doc`` turns the msgpack document of a manifest into a typed ``Manifest`` or
+raises CheckpointError naming the field at fault; nothing is allocated from, and no file is
+opened for, a manifest that has not passed it. The rules are those of formats/SPEC.md (sections
+3-8 and 12) plus bounds that keep every later step finite: dtypes from an allow-list, shapes and
+chunk counts that the manifest and its files can hold, storage paths that stay inside the
+checkpoint, trees of bounded depth with unique keys and leaf paths.
+"""
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from ckpt import _dtypes
 from ckpt._errors import CheckpointError
 from ckpt._layout import chunk_grid
-from ckpt._manifest import ARRAY_KINDS, InlineStorage, Manifest, ZarrStorage
-from ckpt._tree import CUSTOM, DICT, LEAF, LIST, NONE, TUPLE, display_path
+from ckpt._manifest import (
+    ARRAY_KINDS, FORMAT_NAME, FORMAT_VERSION, JAX_ARRAY, NUMPY_SCALAR, PRNG_KEY, STACKS_VERSION, InlineStorage, LeafRecord,
+    Manifest, Stack, StackedStorage, ZarrStorage,
+)
+from ckpt._tree import CUSTOM, DICT, LEAF, LIST, MAX_TREE_DEPTH, NONE, TUPLE, display_path
 
 VALUE_KINDS = ("int", "float", "bool", "complex", "str", "bytes")
+
+# Key data of each PRNG implementation: its trailing dimensions (SPEC section 5.1), uint32.
+PRNG_IMPLS = {"threefry2x32": (2,), "rbg": (4,), "unsafe_rbg": (4,)}
+MAX_NDIM = 32
+MAX_ARRAY_BYTES = 1 << 50  # 1 PiB: no array the library writes comes near, and numpy's limit is 2**63
+MAX_MESH_DEVICES = 1 << 32
+MAX_INT_DIGITS = 4300  # Python's int <-> str conversion limit
+LATEST_CREATED = 253402300799.0  # 9999-12-31: the last time datetime can show
+MAX_PATH_CHARS = 4096
+# A storage path component as writers escape it (SPEC section 2): no leading '.', no '/', no
+# backslash, no control or non-ASCII characters; at most 255 bytes (NAME_MAX).
+_COMPONENT = re.compile(r"[A-Za-z0-9_%~-][A-Za-z0-9_.%~-]{0,254}")
+_RESERVED = frozenset({"zarr.json", "manifest.msgpack"})
+_DECIMAL = re.compile(r"-?[0-9]{1,%d}" % MAX_INT_DIGITS)
+
+
+class _Bad(Exception):
+    """A rule broken; the message says which (caught and re-raised as CheckpointError)."""
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _int_list(x: Any, *, positive: bool) -> bool:
-    return isinstance(x, list) and all(_is_int(n) and (n > 0 if positive else n >= 0) for n in x)
+def _sizes(x: Any, what: str, *, positive: bool, max_len: int = MAX_NDIM) -> tuple[int, ...]:
+    if not isinstance(x, list) or len(x) > max_len:
+        raise _Bad(f"{what} {_show(x)} is not a list of at most {max_len} sizes")
+    for n in x:
+        if not _is_int(n) or n < (1 if positive else 0):
+            raise _Bad(f"{what} {_show(x)} holds {_show(n)}, not a {'positive' if positive else 'non-negative'} integer")
+    return tuple(x)
 
 
-def _check_tree(node: Any, where: str, seen: list[int]) -> None:
-    if not isinstance(node, dict) or "kind" not in node:
-        raise ValueError(f"tree node at {where or '<root>'} is not a map with a 'kind'")
-    kind = node["kind"]
-    if kind == LEAF:
-        if not _is_int(node.get("index")):
-            raise ValueError(f"tree leaf at {where or '<root>'} has no integer 'index'")
-        seen.append(node["index"])
-        return
-    if kind == NONE:
-        return
-    if kind not in (DICT, LIST, TUPLE, CUSTOM):
-        raise ValueError(f"tree node at {where or '<root>'} has an unknown kind {kind!r}")
-    children = node.get("children")
+def _show(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_storage_path(path: Any, what: str = "storage path") -> str:
+    """A path relative to the checkpoint that cannot leave it: '/'-separated components as
+    writers escape them; no empty, '.', '..', hidden or reserved component, no backslash."""
+    if not isinstance(path, str) or not path or len(path) > MAX_PATH_CHARS:
+        raise _Bad(f"{what} {_show(path)} is not a relative path inside the checkpoint")
+    for part in path.split("/"):
+        if not _COMPONENT.fullmatch(part) or part in _RESERVED:
+            raise _Bad(f"{what} {_show(path)} is not a relative path inside the checkpoint "
+                       f"(component {_show(part)})")
+    return path
+
+
+# ---- tree ------------------------------------------------------------------------------------
+
+
+def _key_text(key: Any, where: str) -> str:
+    if isinstance(key, str) or _is_int(key):
+        return str(key)
+    raise _Bad(f"tree node at {display_path(where)} has key {_show(key)}, not a string or integer")
+
+
+def _child_names(node: dict, where: str) -> list[str]:
+    kind, children = node["kind"], node.get("children")
     if not isinstance(children, list):
-        raise ValueError(f"tree node at {where or '<root>'} has no 'children' list")
-    if kind in (DICT, CUSTOM):
-        keys = node.get("keys")
-        if not isinstance(keys, list) or len(keys) != len(children):
-            raise ValueError(f"tree node at {where or '<root>'}: 'keys' and 'children' differ in length")
-    for i, child in enumerate(children):
-        _check_tree(child, f"{where}/{i}" if where else str(i), seen)
+        raise _Bad(f"tree node at {display_path(where)} has no 'children' list")
+    if kind in (LIST, TUPLE):
+        return [str(i) for i in range(len(children))]
+    keys = node.get("keys")
+    if not isinstance(keys, list) or len(keys) != len(children):
+        raise _Bad(f"tree node at {display_path(where)}: 'keys' and 'children' differ in length")
+    if kind == DICT:
+        names = [_key_text(k, where) for k in keys]
+    else:
+        if not isinstance(node.get("type"), str):
+            raise _Bad(f"custom tree node at {display_path(where)} has no 'type' name")
+        names = []
+        for k in keys:
+            if not (isinstance(k, list) and len(k) == 2 and k[0] in ("key", "attr", "index")):
+                raise _Bad(f"custom tree node at {display_path(where)} has key {_show(k)}, not [entry, name]")
+            names.append(_key_text(k[1], where))
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise _Bad(f"tree node at {display_path(where)} has the key {dup!r} twice")
+    return names
 
 
-def _check_sharding(sharding: Any, ndim: int) -> None:
+def check_tree(tree: Any, leaf_count: int) -> list[str]:
+    """The leaf path of every leaf index, after checking the tree encoding (SPEC section 4):
+    known node kinds, at most MAX_TREE_DEPTH levels, keys that are strings or integers and
+    unique, and every leaf index in range exactly once. Iterative: any depth is refused, never
+    a RecursionError."""
+    paths: list[str | None] = [None] * leaf_count
+    stack: list[tuple[Any, tuple[str, ...]]] = [(tree, ())]
+    while stack:
+        node, comps = stack.pop()
+        where = "/".join(comps)
+        if len(comps) > MAX_TREE_DEPTH:
+            raise _Bad(f"tree is nested more than {MAX_TREE_DEPTH} levels deep (at {where[:200]}...)")
+        if not isinstance(node, dict) or not isinstance(node.get("kind"), str):
+            raise _Bad(f"tree node at {display_path(where)} is not a map with a 'kind'")
+        kind = node["kind"]
+        if kind == LEAF:
+            index = node.get("index")
+            if not _is_int(index) or not 0 <= index < leaf_count:
+                raise _Bad(f"tree leaf at {display_path(where)} has index {_show(index)}, not one of 0..{leaf_count - 1}")
+            if paths[index] is not None:
+                raise _Bad(f"tree leaf index {index} occurs twice ({display_path(paths[index])} and {display_path(where)})")
+            paths[index] = where
+        elif kind == NONE:
+            continue
+        elif kind in (DICT, LIST, TUPLE, CUSTOM):
+            names = _child_names(node, where)
+            for name, child in zip(reversed(names), reversed(node["children"])):
+                stack.append((child, comps + (name,)))
+        else:
+            raise _Bad(f"tree node at {display_path(where)} has an unknown kind {_show(kind)}")
+    missing = [i for i, p in enumerate(paths) if p is None]
+    if missing:
+        raise _Bad(f"leaves {missing[:10]} are not in the tree (every leaf index must occur exactly once)")
+    seen: dict[str, int] = {}
+    for i, p in enumerate(paths):
+        if p in seen:
+            raise _Bad(f"leaves {seen[p]} and {i} have the same key path {display_path(p)!r}")
+        seen[p] = i
+    return paths  # type: ignore[return-value]
+
+
+# ---- leaves ----------------------------------------------------------------------------------
+
+
+def _check_value(kind: str, value: Any) -> Any:
+    ok = {
+        "int": lambda v: _is_int(v) or (isinstance(v, str) and _DECIMAL.fullmatch(v) is not None),
+        "float": lambda v: isinstance(v, float),
+        "bool": lambda v: isinstance(v, bool),
+        "complex": lambda v: isinstance(v, list) and len(v) == 2 and all(isinstance(x, float) for x in v),
+        "str": lambda v: isinstance(v, str),
+        "bytes": lambda v: isinstance(v, bytes),
+    }[kind]
+    if not ok(value):
+        raise _Bad(f"value {_show(value)} is not a valid {kind!r} value")
+    return value
+
+
+def _check_sharding(sharding: Any, ndim: int) -> dict | None:
     if sharding is None:
-        return
+        return None
     if not isinstance(sharding, dict) or sharding.get("kind") not in ("named", "single_device", "other"):
-        raise ValueError(f"sharding {sharding!r} is not one of the recorded kinds")
+        raise _Bad(f"sharding {_show(sharding)} is not one of the recorded kinds")
     if sharding["kind"] != "named":
-        return
+        return sharding
     mesh, spec = sharding.get("mesh"), sharding.get("spec")
     if not isinstance(mesh, dict) or not isinstance(spec, list):
-        raise ValueError("named sharding needs 'mesh' and 'spec'")
+        raise _Bad("named sharding needs 'mesh' and 'spec'")
     names, sizes = mesh.get("axis_names"), mesh.get("axis_sizes")
-    if not isinstance(names, list) or not _int_list(sizes, positive=True) or len(names) != len(sizes):
-        raise ValueError("sharding mesh needs equally long 'axis_names' and positive 'axis_sizes'")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+        raise _Bad(f"sharding mesh axis_names {_show(names)} are not distinct strings")
+    sizes = _sizes(sizes, "sharding mesh axis_sizes", positive=True, max_len=MAX_NDIM)
+    if len(sizes) != len(names) or math.prod(sizes) > MAX_MESH_DEVICES:
+        raise _Bad(f"sharding mesh {_show(mesh)} needs one size per axis name, at most {MAX_MESH_DEVICES} devices")
     if len(spec) > ndim:
-        raise ValueError(f"PartitionSpec has {len(spec)} entries for {ndim} dimensions")
+        raise _Bad(f"PartitionSpec has {len(spec)} entries for {ndim} dimensions")
+    used: list[str] = []
     for entry in spec:
         axes = [] if entry is None else [entry] if isinstance(entry, str) else entry
-        if not isinstance(axes, list) or any(a not in names for a in axes):
-            raise ValueError(f"PartitionSpec entry {entry!r} names an axis the mesh {names} does not have")
+        if not isinstance(axes, list) or any(not isinstance(a, str) or a not in names for a in axes):
+            raise _Bad(f"PartitionSpec entry {_show(entry)} names an axis the mesh {names} does not have")
+        used += axes
+    if len(set(used)) != len(used):
+        raise _Bad(f"PartitionSpec {_show(spec)} uses a mesh axis twice")
+    return sharding
 
 
-def _check_storage(storage: Any, shape: list[int], logical: str) -> InlineStorage | ZarrStorage:
+def _check_stacked(storage: dict, shape: tuple[int, ...], logical: str, stacks: list[Stack]) -> StackedStorage:
+    s, k = storage.get("stack"), storage.get("index")
+    if not _is_int(s) or not 0 <= s < len(stacks):
+        raise _Bad(f"stack {_show(s)} is not one of the manifest's {len(stacks)} stacks")
+    stack = stacks[s]
+    if not _is_int(k) or not 0 <= k < stack.shape[0]:
+        raise _Bad(f"index {_show(k)} is not one of the {stack.shape[0]} members of stack {s}")
+    if stack.shape[1:] != shape or stack.dtype != logical:
+        raise _Bad(f"stack {s} holds {stack.dtype}{list(stack.shape[1:])}, not {logical}{list(shape)}")
+    return StackedStorage(s, k, stack)
+
+
+def _check_stacks(stacks: Any, version: int) -> list[Stack]:
+    """The manifest's stacks (format version 2, SPEC section 7.1): Zarr arrays whose first
+    dimension indexes same-shaped members and whose chunks split only that dimension."""
+    if stacks is None or version < STACKS_VERSION:
+        return []  # an unknown key of an older version: ignored (SPEC section 11)
+    if not isinstance(stacks, list):
+        raise _Bad("'stacks' is not a list")
+    out = []
+    for i, st in enumerate(stacks):
+        try:
+            if not isinstance(st, dict):
+                raise _Bad("is not a map")
+            shape, dtype = _sizes(st.get("shape"), "shape", positive=True), st.get("dtype")
+            if not shape:
+                raise _Bad("shape [] has no member dimension")
+            if not isinstance(dtype, str) or dtype not in _dtypes.STORABLE:
+                raise _Bad(f"dtype {_show(dtype)} is not one of the dtypes jax-ckpt writes")
+            if math.prod(shape) * _dtypes.dtype_from_name(dtype).itemsize > MAX_ARRAY_BYTES:
+                raise _Bad(f"shape {list(shape)} of {dtype} is larger than {MAX_ARRAY_BYTES} bytes")
+            zarr = _check_storage({**st, "type": "zarr"}, shape, dtype)
+            if zarr.chunk_shape[1:] != shape[1:]:
+                raise _Bad(f"chunk_shape {list(zarr.chunk_shape)} splits a member (shape {list(shape[1:])})")
+        except _Bad as e:
+            raise _Bad(f"stack {i}: {e}") from None
+        out.append(Stack(shape, dtype, zarr))
+    return out
+
+
+def _check_storage(storage: Any, shape: tuple[int, ...], logical: str,
+                   stacks: list[Stack] = ()) -> InlineStorage | ZarrStorage | StackedStorage:
     storage_dtype, encoding = _dtypes.storage_of(_dtypes.dtype_from_name(logical))
+    if isinstance(storage, dict) and storage.get("type") == "stacked" and stacks:
+        return _check_stacked(storage, shape, logical, stacks)
     if not isinstance(storage, dict) or storage.get("type") not in ("inline", "zarr"):
-        raise ValueError("storage is neither 'inline' nor 'zarr'")
+        raise _Bad("storage is neither 'inline' nor 'zarr'" + (" nor 'stacked'" if stacks else ""))
     if storage["type"] == "inline":
         data, want = storage.get("data"), math.prod(shape) * storage_dtype.itemsize
         if not isinstance(data, bytes) or len(data) != want:
             got = len(data) if isinstance(data, bytes) else type(data).__name__
-            raise ValueError(f"inline data has {got} bytes, expected {want}")
+            raise _Bad(f"inline data has {got} bytes, expected {want}")
         return InlineStorage(data)
-    path, chunk_shape = storage.get("path"), storage.get("chunk_shape")
-    if not isinstance(path, str) or not path or path.startswith("/") or ".." in path.split("/"):
-        raise ValueError(f"storage path {path!r} is not a relative path inside the checkpoint")
-    if not _int_list(chunk_shape, positive=True) or len(chunk_shape) != len(shape):
-        raise ValueError(f"chunk_shape {chunk_shape!r} does not fit shape {shape}")
+    path = check_storage_path(storage.get("path"))
+    chunk_shape = _sizes(storage.get("chunk_shape"), "chunk_shape", positive=True)
+    if len(chunk_shape) != len(shape) or any(c > max(n, 1) for c, n in zip(chunk_shape, shape)):
+        raise _Bad(f"chunk_shape {_show(storage.get('chunk_shape'))} does not fit shape {list(shape)}")
     if storage.get("data_type") != storage_dtype.name or storage.get("encoding") != encoding:
-        raise ValueError(
-            f"data_type {storage.get('data_type')!r} / encoding {storage.get('encoding')!r} do not match "
+        raise _Bad(
+            f"data_type {_show(storage.get('data_type'))} / encoding {_show(storage.get('encoding'))} do not match "
             f"dtype {logical} (expected {storage_dtype.name} / {encoding})"
         )
     if storage.get("checksum") != "crc32c":
-        raise ValueError(f"unknown checksum algorithm {storage.get('checksum')!r}")
+        raise _Bad(f"unknown checksum algorithm {_show(storage.get('checksum'))}")
     sums, want = storage.get("chunk_checksums"), math.prod(chunk_grid(shape, chunk_shape))
     if not isinstance(sums, list) or len(sums) != want or not all(_is_int(s) and 0 <= s < 2**32 for s in sums):
         got = len(sums) if isinstance(sums, list) else type(sums).__name__
-        raise ValueError(f"chunk_checksums has {got} entries, expected {want} 32-bit values")
-    return ZarrStorage.from_record(storage)
+        raise _Bad(f"chunk_checksums has {got} entries, expected {want} 32-bit values")
+    return ZarrStorage(path, chunk_shape, storage_dtype.name, encoding, "crc32c", tuple(sums))
 
 
-def _check_leaf(rec) -> None:
-    if not isinstance(rec.path, str):
-        raise ValueError("'path' is not a string")
-    if rec.kind in VALUE_KINDS:
-        return
-    if rec.kind not in ARRAY_KINDS:
-        raise ValueError(f"unknown kind {rec.kind!r}")
-    if not _int_list(list(rec.shape) if isinstance(rec.shape, tuple) else rec.shape, positive=False):
-        raise ValueError(f"shape {rec.shape!r} is not a list of sizes")
-    if not isinstance(rec.dtype, str):
-        raise ValueError(f"dtype {rec.dtype!r} is not a name")
+def _check_leaf(rec: Any, tree_path: str, stacks: list[Stack] = ()) -> LeafRecord:
+    if not isinstance(rec, dict):
+        raise _Bad("is not a map")
+    path, kind = rec.get("path"), rec.get("kind")
+    if not isinstance(path, str):
+        raise _Bad("'path' is not a string")
+    if path != tree_path:
+        raise _Bad(f"'path' is {path!r} but the tree puts this leaf at {tree_path!r}")
+    if kind in VALUE_KINDS:
+        if "value" not in rec:
+            raise _Bad("has no 'value'")
+        return LeafRecord(path, kind, value=_check_value(kind, rec["value"]))
+    if kind not in ARRAY_KINDS:
+        raise _Bad(f"unknown kind {_show(kind)}")
+    shape = _sizes(rec.get("shape"), "shape", positive=False)
+    dtype = rec.get("dtype")
+    if not isinstance(dtype, str) or dtype not in _dtypes.STORABLE:
+        raise _Bad(f"dtype {_show(dtype)} is not one of the dtypes jax-ckpt writes")
+    itemsize = _dtypes.dtype_from_name(dtype).itemsize
+    if math.prod(max(n, 1) for n in shape) * itemsize > MAX_ARRAY_BYTES:
+        raise _Bad(f"shape {list(shape)} of {dtype} is larger than {MAX_ARRAY_BYTES} bytes")
+    logical_ndim, impl = len(shape), rec.get("prng_impl")
+    if kind == PRNG_KEY:
+        trailing = PRNG_IMPLS.get(impl) if isinstance(impl, str) else None
+        if trailing is None:
+            raise _Bad(f"prng_impl {_show(impl)} is not one of {sorted(PRNG_IMPLS)}")
+        if dtype != "uint32" or shape[len(shape) - len(trailing):] != trailing or len(shape) < len(trailing):
+            raise _Bad(f"key data {dtype}{list(shape)} does not fit prng_impl {impl!r} (uint32, trailing {list(trailing)})")
+        logical_ndim -= len(trailing)
+    else:
+        impl = None
+    if kind == NUMPY_SCALAR and shape != ():
+        raise _Bad(f"a numpy.scalar has shape {list(shape)}, not []")
+    sharding = _check_sharding(rec.get("sharding"), logical_ndim)
+    if sharding is None and kind in (JAX_ARRAY, PRNG_KEY):
+        raise _Bad(f"a {kind} leaf has no sharding")
+    storage = _check_storage(rec.get("storage"), shape, dtype, stacks)
+    return LeafRecord(path, kind, shape, dtype, sharding, storage, None, impl)
+
+
+def _check_layout(leaves: list[LeafRecord], zarr_json: Any, stacks: list[Stack] = ()) -> dict[str, int] | None:
+    """No array's directory is another's or inside another's; no stack member is two leaves;
+    the recorded zarr.json checksums (when the manifest has them) name valid files and cover
+    every array."""
+    arrays = [(l.zarr.path, l.path) for l in leaves if l.zarr is not None]
+    arrays += [(st.zarr.path, f"<stack {i}>") for i, st in enumerate(stacks)]
+    members: dict[tuple[int, int], str] = {}
+    for l in leaves:
+        if l.stacked is not None:
+            key = (l.stacked.stack, l.stacked.index)
+            if key in members:
+                raise _Bad(f"leaves {members[key]!r} and {l.path!r} are both member {key[1]} of stack {key[0]}")
+            members[key] = l.path
+    owner: dict[str, str] = {}
+    for path, leaf in arrays:
+        if path in owner:
+            raise _Bad(f"leaves {owner[path]!r} and {leaf!r} share the storage directory {path!r}")
+        owner[path] = leaf
+    for path, leaf in arrays:
+        parts = path.split("/")
+        for k in range(1, len(parts)):
+            above = "/".join(parts[:k])
+            if above in owner:
+                raise _Bad(f"leaf {leaf!r} is stored inside the directory of leaf {owner[above]!r} ({above!r})")
+    if zarr_json is None:
+        return None
+    if not isinstance(zarr_json, dict):
+        raise _Bad("zarr_json_crc32c is not a map")
+    for key, crc in zarr_json.items():
+        if not isinstance(key, str) or not (key == "zarr.json" or key.endswith("/zarr.json")) \
+                or not _is_int(crc) or not 0 <= crc < 2**32:
+            raise _Bad(f"zarr_json_crc32c entry {_show(key)}: {_show(crc)} is not a zarr.json file's 32-bit CRC")
+        if key != "zarr.json":
+            check_storage_path(key[: -len("/zarr.json")], "zarr_json_crc32c key")
+    for path, leaf in arrays:
+        if f"{path}/zarr.json" not in zarr_json:
+            raise _Bad(f"zarr_json_crc32c has no checksum for {path}/zarr.json (leaf {leaf!r})")
+    return dict(zarr_json)
+
+
+def manifest_from_doc(doc: Any, where: str) -> Manifest:
+    """The typed Manifest of a decoded manifest document, or CheckpointError naming the field
+    that breaks the format (`where`: the manifest file, for messages)."""
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{where}: not a {FORMAT_NAME} manifest")
+    version = doc.get("format_version")
+    if not _is_int(version) or version < 1:
+        raise CheckpointError(f"{where}: manifest has an invalid format_version {_show(version)}")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{where}: checkpoint format_version {version} is newer than this jax-ckpt reads "
+            f"(up to {FORMAT_VERSION}); upgrade jax-ckpt to a release that reads format version {version}"
+        )
     try:
-        _dtypes.dtype_from_name(rec.dtype)
-    except TypeError:
-        raise ValueError(f"unknown dtype {rec.dtype!r}") from None
-    if rec.kind == "prng_key" and not isinstance(rec.prng_impl, str):
-        raise ValueError("PRNG key leaf has no 'prng_impl'")
-    _check_sharding(rec.sharding, len(rec.shape))
-    if not isinstance(rec.storage, (InlineStorage, ZarrStorage)):
-        rec.storage = _check_storage(rec.storage, list(rec.shape), rec.dtype)
+        leaves_doc = doc.get("leaves")
+        if not isinstance(leaves_doc, list):
+            raise _Bad("'leaves' is not a list")
+        if "tree" not in doc:
+            raise _Bad("'tree' is missing")
+        user_metadata, created = doc.get("user_metadata"), doc.get("created", 0.0)
+        if user_metadata is not None and not isinstance(user_metadata, dict):
+            raise _Bad("user_metadata is neither nil nor a map")
+        if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 <= created <= LATEST_CREATED:
+            raise _Bad(f"created {_show(created)} is not a time in seconds since the epoch")
+        library_version = doc.get("library_version", "")
+        if not isinstance(library_version, str):
+            raise _Bad(f"library_version {_show(library_version)} is not a string")
+        paths = check_tree(doc["tree"], len(leaves_doc))
+        stacks = _check_stacks(doc.get("stacks"), version)
+    except _Bad as e:
+        raise CheckpointError(f"{where}: manifest is corrupted: {e}") from None
+    leaves = []
+    for i, rec in enumerate(leaves_doc):
+        try:
+            leaves.append(_check_leaf(rec, paths[i], stacks))
+        except _Bad as e:
+            raise CheckpointError(f"{where}: manifest is corrupted: leaf {i} ({display_path(paths[i])!r}): {e}") from None
+    try:
+        zarr_json = _check_layout(leaves, doc.get("zarr_json_crc32c"), stacks)
+    except _Bad as e:
+        raise CheckpointError(f"{where}: manifest is corrupted: {e}") from None
+    return Manifest(doc["tree"], leaves, user_metadata=user_metadata, created=float(created),
+                    format_version=version, library_version=library_version, zarr_json=zarr_json,
+                    stacks=stacks)
 
 
 def check_manifest(manifest: Manifest, where: str) -> Manifest:
-    """Raise CheckpointError naming the first field that breaks the format; return `manifest`,
-    its records' storage now typed (InlineStorage / ZarrStorage)."""
-    try:
-        seen: list[int] = []
-        _check_tree(manifest.tree, "", seen)
-        if sorted(seen) != list(range(len(manifest.leaves))):
-            raise ValueError(f"tree leaves do not refer to each of the {len(manifest.leaves)} leaves exactly once")
-        if manifest.user_metadata is not None and not isinstance(manifest.user_metadata, dict):
-            raise ValueError("user_metadata is neither nil nor a map")
-    except ValueError as e:
-        raise CheckpointError(f"{where}: manifest is corrupted: {e}") from None
-    for i, rec in enumerate(manifest.leaves):
-        try:
-            _check_leaf(rec)
-        except (ValueError, TypeError, AttributeError) as e:
-            name = display_path(rec.path) if isinstance(rec.path, str) else f"#{i}"
-            raise CheckpointError(f"{where}: manifest is corrupted: leaf {i} ({name!r}): {e}") from None
-    return manifest
+    """The manifest as a reader would get it back from its encoding (validated and typed)."""
+    return Manifest.decode(manifest.encode(), where)

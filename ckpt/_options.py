@@ -10,10 +10,12 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Union
 
+from ckpt._plan import PACK_LIMIT
+
 EngineChoice = Union[str, Callable[[str, "Options"], Any], None]
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_int(name: str, default: int, minimum: int = 1) -> int:
     text = os.environ.get(name)
     if text is None or text.strip() == "":
         return default
@@ -21,8 +23,8 @@ def _env_int(name: str, default: int) -> int:
         value = int(text)
     except ValueError:
         raise ValueError(f"environment variable {name}={text!r} is not an integer") from None
-    if value < 1:
-        raise ValueError(f"environment variable {name}={text!r} must be at least 1")
+    if value < minimum:
+        raise ValueError(f"environment variable {name}={text!r} must be at least {minimum}")
     return value
 
 
@@ -32,23 +34,39 @@ def _positive(name: str, value: Any) -> int:
     return value
 
 
+def _non_negative(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"Options.{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Options:
-    """How ckpt talks to storage and how much memory it uses.
+    """How ckpt talks to storage and how much memory it uses (``options=`` of every call).
 
-    engine: ``"local"``, ``"tensorstore"`` or ``"fsspec"``, or a callable
-        ``(location, options) -> Storage`` (e.g. a wrapping engine that injects faults).
-        None: the default for the location's scheme (docs/storage.md).
-    storage_options: passed to the engine: for ``fsspec``, keyword arguments of the file system
-        (``endpoint_url``, ``key``, ...); for ``tensorstore``, entries merged into the kvstore spec.
-    io_concurrency: storage operations in flight per process (``CKPT_IO_CONCURRENCY``;
-        default max(8, 2 x cores)).
-    max_inflight_bytes: bytes handed to storage and not yet durable, per process
-        (``CKPT_MAX_INFLIGHT_BYTES``; default 256 MiB).
-    host_budget_bytes: restore's host bytes of chunks read and regions assembled, not yet placed
-        on devices (``CKPT_HOST_BUDGET_BYTES``; default 2 GiB).
-    staging_pool: keep a save's host buffers for the next save (``CKPT_STAGING_POOL``, ``0``
-        turns it off; default on).
+    Every field left at None takes the environment variable named beside it when that is set,
+    else the built-in default; both are read when a save, restore, metadata call or manager
+    starts (``resolved()``). Frozen: make variants with ``dataclasses.replace``.
+
+    Attributes:
+        engine: ``"local"``, ``"tensorstore"`` or ``"fsspec"``, or a callable
+            ``(location, options) -> Storage`` (e.g. a wrapping engine that injects faults).
+            None: the default for the location's scheme (docs/storage.md).
+        storage_options: passed to the engine: for ``fsspec``, keyword arguments of the file
+            system (``endpoint_url``, ``key``, ...); for ``tensorstore``, entries merged into the
+            kvstore spec.
+        io_concurrency: storage operations in flight per process (``CKPT_IO_CONCURRENCY``;
+            default max(8, 2 x cores)).
+        max_inflight_bytes: bytes handed to storage and not yet durable, per process
+            (``CKPT_MAX_INFLIGHT_BYTES``; default 256 MiB).
+        host_budget_bytes: host bytes of chunks read and regions assembled, not yet placed on
+            devices, of a restore or an export (``CKPT_HOST_BUDGET_BYTES``; default 2 GiB).
+        staging_pool: keep a save's host buffers for the next save (``CKPT_STAGING_POOL``,
+            ``0`` turns it off; default on).
+        pack_limit_bytes: arrays of at most this many bytes whose whole value one process holds
+            are written by it as one chunk, many same-shaped ones together as a stack (formats/
+            SPEC.md section 7.1), instead of one file per shard (``CKPT_PACK_LIMIT_BYTES``;
+            default 1 MiB; ``0`` writes every array shard by shard).
     """
 
     engine: EngineChoice = None
@@ -57,9 +75,18 @@ class Options:
     max_inflight_bytes: int | None = None
     host_budget_bytes: int | None = None
     staging_pool: bool | None = None
+    pack_limit_bytes: int | None = None
 
     def resolved(self) -> "Options":
-        """A copy with every default filled in (environment variables are read now)."""
+        """A copy with every default filled in (environment variables are read now).
+
+        Returns:
+            An ``Options`` whose numeric and pool fields are all set.
+
+        Raises:
+            ValueError: a field or environment variable is not a positive integer (a
+                non-negative one for ``pack_limit_bytes``).
+        """
         return replace(
             self,
             io_concurrency=_positive("io_concurrency", self.io_concurrency) if self.io_concurrency is not None
@@ -70,6 +97,8 @@ class Options:
             if self.host_budget_bytes is not None else _env_int("CKPT_HOST_BUDGET_BYTES", 2 << 30),
             staging_pool=bool(self.staging_pool) if self.staging_pool is not None
             else os.environ.get("CKPT_STAGING_POOL", "1") != "0",
+            pack_limit_bytes=_non_negative("pack_limit_bytes", self.pack_limit_bytes)
+            if self.pack_limit_bytes is not None else _env_int("CKPT_PACK_LIMIT_BYTES", PACK_LIMIT, minimum=0),
         )
 
 

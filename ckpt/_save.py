@@ -7,26 +7,29 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import math
 import queue
 import threading
 from collections import deque
 from typing import Any
 
+import crc32c
 import msgpack
 import numpy as np
 
-from ckpt import _dtypes
+from ckpt import _dtypes, _gc
 from ckpt._checksum import chunk_checksum
 from ckpt._commit import Coordinator, commit_checkpoint, current_coordinator
-from ckpt._describe import Leaf, array_shards, describe, finish_array_records
+from ckpt._describe import Leaf, array_shards, describe, finish_array_records, pack_records
 from ckpt._errors import CheckpointError
-from ckpt._layout import chunk_grid, chunk_index_of, flat_chunk_index
-from ckpt._manifest import LeafRecord, Manifest
+from ckpt._layout import chunk_grid, chunk_index_of, chunk_key, flat_chunk_index
+from ckpt._manifest import STACKS_VERSION, LeafRecord, Manifest, Stack, StackedStorage
 from ckpt._options import Options, resolve
-from ckpt._plan import plan_save
+from ckpt._plan import PackedWrite, SavePlan, plan_save
 from ckpt._staging import POOL, start_copies, take
 from ckpt._tree import flatten, storage_paths
 from ckpt.storage import ArraySpec, Staged, Storage, open_storage
+from ckpt.storage._base import GROUP_METADATA, NotDurableError, array_metadata_bytes
 
 # Bytes handed to storage and not yet durable, per process, while the caller is still making its host copies: enough to keep the disk busy,
 # little enough not to slow the copies the caller waits for (measured on 2 cores: 64 MiB kept
@@ -37,7 +40,14 @@ _END = object()
 
 
 class SaveHandle:
-    """A save in progress. The host copies are already taken: the saved arrays may be donated."""
+    """A save in progress, as ``save_async`` returns it (not constructed directly).
+
+    The host copies are already taken when it is returned: the saved arrays may be donated,
+    deleted or overwritten. The rest of the save (writes, commit) runs on a background thread.
+
+    Attributes:
+        path: the checkpoint's location, as shown in messages.
+    """
 
     def __init__(self, path: str, work) -> None:
         self.path = path
@@ -55,24 +65,41 @@ class SaveHandle:
             self._done.set()
 
     def done(self) -> bool:
-        """True once the save has committed or failed. Never blocks."""
+        """Whether the save has finished, committed or failed. Never blocks.
+
+        Returns:
+            True once the background work is over (``wait()`` then returns or raises at once).
+        """
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the checkpoint is committed; re-raise a background failure."""
+        """Block until the checkpoint is committed.
+
+        Args:
+            timeout: seconds to wait at most; None waits as long as the save takes.
+
+        Raises:
+            TimeoutError: the save is still running after `timeout` seconds (it goes on).
+            CheckpointError: the save failed in the background (re-raised with its original
+                traceback); nothing was committed. Also ``OSError`` from the storage and
+                ``FileExistsError`` when another save committed at `path` first.
+        """
         if not self._done.wait(timeout):
             raise TimeoutError(f"save to {self.path} still running after {timeout} s")
         if self._error is not None:
             raise self._error
 
 
-def _fingerprint(final: str, overwrite: bool, tree: dict, leaves: list[Leaf]) -> bytes:
+def _fingerprint(final: str, overwrite: bool, tree: dict, leaves: list[Leaf], plan: SavePlan) -> bytes:
     view = [
-        [l.record.path, l.record.kind, list(l.record.shape or ()), l.record.dtype, l.record.sharding,
+        [l.record.path, l.record.kind, l.record.shape, l.record.dtype, l.record.sharding,
          type(l.record.storage).__name__]
         for l in leaves
     ]
-    return hashlib.sha256(msgpack.packb([final, overwrite, tree, view], use_bin_type=True)).digest()
+    # Which leaves are packed, and where, follows from shardings and device placement; every
+    # process must have come to the same layout.
+    packing = [plan.whole, [(st.members, st.process) for st in plan.stacks]]
+    return hashlib.sha256(msgpack.packb([final, overwrite, tree, view, packing], use_bin_type=True)).digest()
 
 
 def _check_fingerprints(views: list[dict]) -> None:
@@ -95,15 +122,13 @@ def _check_fingerprints(views: list[dict]) -> None:
         )
 
 
-def _group_metadata_puts(storage: Storage, leaves: list[Leaf]) -> list:
+def _group_metadata_puts(storage: Storage, array_paths: list[str]) -> list:
     """zarr.json for the root and every intermediate group, so stock zarr can browse the tree
     (written concurrently, each fsynced by the engine)."""
     groups = {""}
-    for leaf in leaves:
-        st = leaf.record.zarr
-        if st is not None:
-            parts = st.path.split("/")
-            groups.update("/".join(parts[:k]) for k in range(1, len(parts)))
+    for path in array_paths:
+        parts = path.split("/")
+        groups.update("/".join(parts[:k]) for k in range(1, len(parts)))
     return [storage.put_group(g) for g in sorted(groups)]
 
 
@@ -111,17 +136,37 @@ def save_async(path, tree: Any, *, overwrite: bool = False, options: Options | N
     """Start saving `tree` to `path`; return once the data this process writes is in host
     memory the library owns. The arrays may be donated or deleted from then on.
 
-    `path`: a local path, a URL (``file://``, ``memory://``, ``s3://``, ``gs://``, any fsspec
-    URL), a ``pathlib.Path`` or an ``etils.epath.Path`` (docs/storage.md). `options`: engine,
-    concurrency and memory settings (``ckpt.Options``).
+    Every unique shard is written once, by one process, as a chunk of a Zarr v3 array; the
+    manifest is written last, so the checkpoint appears whole or not at all. Under
+    ``jax.distributed`` every process calls it with the same arguments.
 
-    ``SaveHandle.wait()`` blocks until the checkpoint is committed. Raises FileExistsError when
-    `path` holds a checkpoint and `overwrite` is False, and CheckpointError for leaves it cannot
-    save.
+    Args:
+        path (str | os.PathLike): a local path (``str``, ``pathlib.Path``,
+            ``etils.epath.Path``) or a URL: ``file://``, ``memory://``, ``s3://``, ``gs://`` or
+            any fsspec URL (docs/storage.md).
+        tree: a pytree whose leaves are ``jax.Array``, ``numpy.ndarray``, numpy scalars, typed
+            PRNG key arrays, or small Python values (``int``, ``float``, ``bool``, ``complex``,
+            ``str``, ``bytes``, ``None``).
+        overwrite: replace a checkpoint already at `path` (in one step, once the new one is
+            complete).
+        options: engine, concurrency and memory settings (``ckpt.Options``).
+
+    Returns:
+        A ``SaveHandle``: ``wait()`` blocks until the checkpoint is committed, ``done()`` polls.
+
+    Raises:
+        FileExistsError: `path` holds a checkpoint and `overwrite` is False (on local disk:
+            anything exists at `path`).
+        CheckpointError: a leaf cannot be saved (naming it), or the processes of a job disagree
+            on the tree; nothing is written.
+        ValueError: an option is invalid.
+        TypeError: `options` is not a ``ckpt.Options``.
+        OSError: the storage refused to stage the save.
     """
     return start_save(path, tree, overwrite=overwrite, options=options)
 
 
+@_gc.paused()
 def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict | None = None,
                options: Options | None = None) -> SaveHandle:
     """save_async with the library-internal options (user_metadata: a small msgpack-able dict
@@ -137,10 +182,11 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
             encoding, flat = flatten(tree)
             leaves = [describe(l, coord.process_count) for l in flat]
             finish_array_records(leaves, storage_paths([l.components for l in flat]))
-            plan = plan_save(array_shards(leaves))
+            plan = plan_save(array_shards(leaves), pack_limit=opts.pack_limit_bytes)
+            stacks = pack_records(leaves, plan)
             my_writes = plan.for_process(coord.process_index)
             pending = start_copies({i: l.source for i, l in enumerate(leaves)}, my_writes)
-            view, own_error = {"plan": _fingerprint(final, overwrite, encoding, leaves)}, None
+            view, own_error = {"plan": _fingerprint(final, overwrite, encoding, leaves, plan)}, None
         except Exception as e:  # the others learn of it now instead of waiting for this process
             view, own_error = {"error": f"{type(e).__name__}: {e}"}, e
         views = [msgpack.unpackb(v) for v in coord.all_gather(f"{save_id}/plan", msgpack.packb(view))]
@@ -148,16 +194,19 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
             raise own_error
         _check_fingerprints(views)
 
+        mine: list[Staged] = []  # the primary's own Staged: it holds the staged place's lock
+
         def prepare() -> bytes:
             try:
-                return msgpack.packb({"staged": storage.stage(overwrite=overwrite).info})
+                mine.append(storage.stage(overwrite=overwrite))
+                return msgpack.packb({"staged": mine[0].info})
             except OSError as e:
                 return msgpack.packb({"errno": e.errno, "error": f"{e.strerror}: {e.filename}"})
 
         decision = msgpack.unpackb(coord.broadcast(f"{save_id}/prepare", prepare))
         if "staged" not in decision:
             raise OSError(decision["errno"], decision["error"].split(": ")[0], final)
-        staged = storage.staged_from(decision["staged"])
+        staged = mine[0] if mine else storage.staged_from(decision["staged"])
     except BaseException:
         coord.end_save(save_id)
         raise
@@ -165,7 +214,7 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
     chunks: queue.Queue = queue.Queue()
     buffers: list = []  # pooled staging buffers, returned once every write is done
     copied = threading.Event()  # set once every host copy exists
-    job = _SaveJob(coord, save_id, storage, staged, overwrite, encoding, leaves, user_metadata, opts)
+    job = _SaveJob(coord, save_id, storage, staged, overwrite, encoding, leaves, user_metadata, opts, stacks)
     handle = SaveHandle(final, lambda: job.run(chunks, buffers, copied))
     try:
         for item in take(pending, buffers if opts.staging_pool else None):
@@ -184,36 +233,70 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
 
 
 def save(path, tree: Any, *, overwrite: bool = False, options: Options | None = None) -> None:
-    """Save `tree` to `path` and return once the checkpoint is committed (see save_async)."""
+    """Save `tree` to `path` and return once the checkpoint is committed.
+
+    ``save_async(path, tree, ...).wait()``: see ``save_async`` for what is written and when.
+
+    Args:
+        path (str | os.PathLike): a local path or URL, as for ``save_async``.
+        tree: the pytree to save.
+        overwrite: replace a checkpoint already at `path`.
+        options: engine, concurrency and memory settings (``ckpt.Options``).
+
+    Raises:
+        FileExistsError: `path` holds a checkpoint and `overwrite` is False.
+        CheckpointError: a leaf cannot be saved, the processes disagree, or a write failed
+            (nothing committed; the previous checkpoint at `path`, if any, is untouched).
+        OSError: the storage failed, naming the object.
+    """
     save_async(path, tree, overwrite=overwrite, options=options).wait()
 
 
+def _array_specs(leaves: list[Leaf], stacks: list[Stack]) -> dict[int, tuple[str, ArraySpec]]:
+    """(storage path, spec) of every Zarr array of the save, by array id: a leaf's index, or
+    ``-1 - s`` for stack s (the ids of the plan's writes)."""
+    specs = {}
+    for i, leaf in enumerate(leaves):
+        st = leaf.record.zarr
+        if st is not None:
+            attrs = {"jax_ckpt": {"path": leaf.record.path, "dtype": leaf.record.dtype, "encoding": st.encoding}}
+            specs[i] = (st.path, ArraySpec(tuple(leaf.record.shape), tuple(leaf.chunk_shape),
+                                           np.dtype(st.data_type), attrs))
+    members: dict[int, list[str]] = {}
+    for leaf in leaves:
+        if leaf.record.stacked is not None:
+            members.setdefault(leaf.record.stacked.stack, []).append(leaf.record.path)
+    for s, stack in enumerate(stacks):
+        # The member leaves' paths in stack order, so that a Zarr user can find a leaf's slice.
+        attrs = {"jax_ckpt": {"dtype": stack.dtype, "encoding": stack.zarr.encoding, "members": members[s]}}
+        specs[-1 - s] = (stack.zarr.path, ArraySpec(stack.shape, stack.zarr.chunk_shape,
+                                                     np.dtype(stack.zarr.data_type), attrs))
+    return specs
+
+
 def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, primary: bool,
-                  copied: threading.Event, max_inflight_bytes: int, prefix: str = "") -> dict:
-    """Write this process's chunks as their host copies arrive; return their CRC-32Cs.
+                  copied: threading.Event, max_inflight_bytes: int, prefix: str = "",
+                  stacks: list[Stack] = ()) -> dict:
+    """Write this process's chunks as their host copies arrive; return their CRC-32Cs, by array
+    id (see _array_specs) and flat chunk index.
 
     While the caller is still copying (`copied` not set), few writes go out
     (COPYING_INFLIGHT_BYTES) and no checksum is computed: the disk starts working without
     slowing the copies the caller waits for. Then writes go out up to `max_inflight_bytes` and the
     checksums are computed while they are in flight (direct I/O leaves the CPU idle meanwhile).
     """
-    specs = {}
-    for i, leaf in enumerate(leaves):
-        st = leaf.record.zarr
-        if st is not None:
-            attrs = {"jax_ckpt": {"path": leaf.record.path, "dtype": leaf.record.dtype, "encoding": st.encoding}}
-            specs[i] = ArraySpec(tuple(leaf.record.shape), tuple(leaf.chunk_shape),
-                                 np.dtype(st.data_type), attrs)
-    handles = storage.open_arrays({i: (leaves[i].record.zarr.path, spec) for i, spec in specs.items()})
+    specs = _array_specs(leaves, stacks)
+    handles = storage.open_arrays(specs)
+    grids = {a: chunk_grid(spec.shape, spec.chunk_shape) for a, (_, spec) in specs.items()}
     sums: dict[int, dict[int, int]] = {}
-    unsummed: list = []  # (leaf, flat chunk index, data) still to checksum
+    unsummed: list = []  # (array id, flat chunk index, data) still to checksum
     inflight: deque = deque()
     created: list = []
     inflight_bytes = 0
 
     def checksum_pending() -> None:
-        for leaf_index, flat, data in unsummed:
-            sums.setdefault(leaf_index, {})[flat] = chunk_checksum(data)
+        for array, flat, data in unsummed:
+            sums.setdefault(array, {})[flat] = chunk_checksum(data)
         unsummed.clear()
 
     try:
@@ -224,13 +307,13 @@ def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, pri
             if isinstance(item, BaseException):
                 raise CheckpointError("copying shards to host failed") from item
             w, host = item
-            leaf = leaves[w.leaf]
+            array = w.array if isinstance(w, PackedWrite) else w.leaf
             data = _dtypes.to_storage(host)
-            index = chunk_index_of(w.box, leaf.chunk_shape)
-            flat = flat_chunk_index(index, chunk_grid(leaf.record.shape, leaf.chunk_shape))
-            inflight.append((storage.write_chunk(handles[w.leaf], w.box, data), w.nbytes))
+            spec = specs[array][1]
+            flat = flat_chunk_index(chunk_index_of(w.box, spec.chunk_shape), grids[array])
+            inflight.append((storage.write_chunk(handles[array], w.box, data), w.nbytes))
             inflight_bytes += w.nbytes
-            unsummed.append((w.leaf, flat, data))
+            unsummed.append((array, flat, data))
             done_copying = copied.is_set()
             if done_copying:
                 checksum_pending()
@@ -242,11 +325,11 @@ def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, pri
         checksum_pending()
         if primary:
             # Metadata last: the small fsynced files then overlap the chunk writes in flight.
-            created = [storage.create_array(leaves[i].record.zarr.path, spec) for i, spec in specs.items()]
+            created = [storage.create_array(path, spec) for path, spec in specs.values()]
             if specs or not prefix:
                 # (A generation prefix holding only group metadata would be referenced by no
                 # manifest path, so no overwrite could ever find and delete it.)
-                created += _group_metadata_puts(storage, leaves)
+                created += _group_metadata_puts(storage, [path for path, _ in specs.values()])
         for fut, _ in inflight:
             fut.result()
         for fut in created:
@@ -267,15 +350,17 @@ class _SaveJob:
     """The background part of one save: write this process's chunks, exchange reports, commit."""
 
     def __init__(self, coord: Coordinator, save_id: str, storage: Storage, staged: Staged, overwrite: bool,
-                 encoding: dict, leaves: list[Leaf], user_metadata: dict | None, options: Options):
+                 encoding: dict, leaves: list[Leaf], user_metadata: dict | None, options: Options,
+                 stacks: list[Stack] = ()):
         self.coord, self.save_id, self.storage, self.staged = coord, save_id, storage, staged
         self.overwrite, self.encoding, self.leaves = overwrite, encoding, leaves
-        self.user_metadata, self.options = user_metadata, options
+        self.user_metadata, self.options, self.stacks = user_metadata, options, list(stacks)
 
     def run(self, chunks: queue.Queue, buffers: list, copied: threading.Event) -> None:
         try:
             self._exchange_and_commit(chunks, buffers, copied)
         finally:
+            self.staged.release()  # (commit and abort release it; this covers any other exit)
             self.coord.end_save(self.save_id)
 
     def _abort(self) -> None:
@@ -291,7 +376,7 @@ class _SaveJob:
         sums: dict = {}
         try:
             sums = _write_chunks(self.staged.storage, self.leaves, chunks, primary, copied,
-                                 self.options.max_inflight_bytes, self.staged.prefix)
+                                 self.options.max_inflight_bytes, self.staged.prefix, self.stacks)
             POOL.give_back(buffers)  # every write is done and the copy loop has ended
         except BaseException as e:
             error = e
@@ -318,6 +403,8 @@ class _SaveJob:
             try:
                 self._commit(statuses)
                 return msgpack.packb({"error": None})
+            except NotDurableError as e:  # committed: nothing to abort, the save succeeded
+                return msgpack.packb({"error": None, "not_durable": str(e)})
             except BaseException as e:
                 # A lost race (another save committed here first) stays a FileExistsError. Where
                 # the manifest write may have landed (a put whose answer was lost), deleting the
@@ -343,19 +430,32 @@ class _SaveJob:
                 "(pass overwrite=True to replace it)", final)
         if outcome["error"]:
             raise CheckpointError(f"save to {final} failed, nothing committed: {outcome['error']}")
+        if outcome.get("not_durable"):
+            raise NotDurableError(outcome["not_durable"])
 
     def _commit(self, statuses: list[dict]) -> None:
         from ckpt import __version__
 
         collected: dict[int, dict[int, int]] = {}
         for s in statuses:
-            for leaf, flat, crc in s["sums"]:
-                collected.setdefault(leaf, {})[flat] = crc
+            for array, flat, crc in s["sums"]:
+                collected.setdefault(array, {})[flat] = crc
+        stacks = []
+        for s, stack in enumerate(self.stacks):
+            n = int(np.prod(chunk_grid(stack.shape, stack.zarr.chunk_shape)))
+            got = collected.get(-1 - s, {})
+            if len(got) != n:
+                raise CheckpointError(f"stack {s} ({stack.zarr.path}): {len(got)} of {n} chunks were written")
+            stacks.append(dataclasses.replace(stack, zarr=dataclasses.replace(
+                stack.zarr, path=self.staged.prefix + stack.zarr.path, chunk_checksums=tuple(got[k] for k in range(n)))))
         records = []
         for i, leaf in enumerate(self.leaves):
             rec = leaf.record
             st = rec.zarr
-            if st is not None:
+            if rec.stacked is not None:
+                member = StackedStorage(rec.stacked.stack, rec.stacked.index, stacks[rec.stacked.stack])
+                rec = LeafRecord(rec.path, rec.kind, rec.shape, rec.dtype, rec.sharding, member, rec.value, rec.prng_impl)
+            elif st is not None:
                 n = int(np.prod(chunk_grid(rec.shape, leaf.chunk_shape)))
                 got = collected.get(i, {})
                 if len(got) != n:
@@ -364,5 +464,37 @@ class _SaveJob:
                                          chunk_checksums=tuple(got[k] for k in range(n)))
                 rec = LeafRecord(rec.path, rec.kind, rec.shape, rec.dtype, rec.sharding, st, rec.value, rec.prng_impl)
             records.append(rec)
-        manifest = Manifest(self.encoding, records, user_metadata=self.user_metadata, library_version=__version__)
+        zarr_json = _check_written(self.staged, _array_specs(self.leaves, self.stacks), self.storage.url)
+        manifest = Manifest(self.encoding, records, user_metadata=self.user_metadata, library_version=__version__,
+                            stacks=stacks, format_version=STACKS_VERSION if stacks else 1, zarr_json=zarr_json)
         commit_checkpoint(self.storage, self.staged, manifest, overwrite=self.overwrite)
+
+
+def _check_written(staged: Staged, specs: dict[int, tuple[str, ArraySpec]], final: str) -> dict[str, int]:
+    """Check that every file the save wrote is still in the staged place, whole (a save never
+    commits what someone removed or truncated meanwhile); return the CRC-32C of every zarr.json,
+    keyed as the manifest records them."""
+    expected: dict[str, int] = {}
+    zarr_json: dict[str, int] = {}
+    groups = {""} if specs or not staged.prefix else set()  # as _write_chunks writes them
+    for path, spec in specs.values():
+        meta = array_metadata_bytes(spec)
+        expected[f"{path}/zarr.json"] = len(meta)
+        zarr_json[f"{staged.prefix}{path}/zarr.json"] = crc32c.crc32c(meta)
+        chunk_bytes = math.prod(spec.chunk_shape) * spec.dtype.itemsize
+        for index in np.ndindex(*chunk_grid(spec.shape, spec.chunk_shape)):
+            expected[f"{path}/{chunk_key(index)}"] = chunk_bytes
+        parts = path.split("/")
+        groups.update("/".join(parts[:k]) for k in range(1, len(parts)))
+    for group in groups:
+        key = f"{group}/zarr.json" if group else "zarr.json"
+        expected[key] = len(GROUP_METADATA)
+        zarr_json[staged.prefix + key] = crc32c.crc32c(GROUP_METADATA)
+    found = staged.storage.stat_many(expected)
+    bad = [f"{staged.storage.where(k)} ({'missing' if found[k] is None else f'{found[k]} of {n} bytes'})"
+           for k, n in expected.items() if found[k] is None or (found[k] >= 0 and found[k] != n)]
+    if bad:
+        raise CheckpointError(
+            f"save to {final}: {len(bad)} file(s) it wrote are gone or changed before the commit, e.g. {bad[0]} "
+            "(did another process remove the save's temporary data?); nothing was committed")
+    return zarr_json

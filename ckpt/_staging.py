@@ -14,7 +14,8 @@ from typing import Any, Iterator, Sequence
 import jax
 import numpy as np
 
-from ckpt._plan import HOST, ShardWrite
+from ckpt._layout import full_box, relative
+from ckpt._plan import HOST, PackedWrite, ShardWrite
 from ckpt.storage import aligned_empty
 
 
@@ -61,20 +62,31 @@ class HostBufferPool:
 POOL = HostBufferPool()
 
 
-def start_copies(sources: dict[int, Any], writes: Sequence[ShardWrite]) -> list[tuple[ShardWrite, Any]]:
-    """Start every device-to-host copy; return (write, per-device array or host array)."""
+def start_copies(sources: dict[int, Any], writes: Sequence[ShardWrite | PackedWrite]) -> list[tuple[Any, Any]]:
+    """Start every device-to-host copy; return (write, per-device array or host array), or for
+    a packed write (write, [per-device or host array of each piece, in plan order])."""
     by_device: dict[int, dict[int, Any]] = {}
-    pending = []
+    on_cpu: dict[int, bool] = {}
+
+    def piece(leaf: int, device: int) -> Any:
+        src = sources[leaf]
+        if device == HOST:
+            return src
+        if leaf not in by_device:
+            shards = src.addressable_shards
+            by_device[leaf] = {s.device.id: s.data for s in shards}
+            on_cpu[leaf] = shards[0].device.platform == "cpu"
+        data = by_device[leaf][device]
+        if not on_cpu[leaf]:  # (on the CPU backend the host copy is a memcpy made in take())
+            data.copy_to_host_async()
+        return data
+
+    pending: list[tuple[Any, Any]] = []
     for w in writes:
-        src = sources[w.leaf]
-        if w.device == HOST:
-            pending.append((w, src))
-            continue
-        if w.leaf not in by_device:
-            by_device[w.leaf] = {s.device.id: s for s in src.addressable_shards}
-        data = by_device[w.leaf][w.device].data
-        data.copy_to_host_async()
-        pending.append((w, data))
+        if isinstance(w, PackedWrite):
+            pending.append((w, [piece(leaf, dev) for leaf, pieces in w.members for _, dev in pieces]))
+        else:
+            pending.append((w, piece(w.leaf, w.device)))
     return pending
 
 
@@ -98,9 +110,37 @@ def owned_copy(x: Any, buffers: list[np.ndarray] | None = None) -> np.ndarray:
     return out
 
 
-def take(pending: list[tuple[ShardWrite, Any]], buffers: list[np.ndarray] | None = None
-         ) -> Iterator[tuple[ShardWrite, np.ndarray]]:
+def packed_copy(w: PackedWrite, parts: list[Any], buffers: list[np.ndarray] | None = None) -> np.ndarray:
+    """The chunk of a packed write, assembled from its pieces into one buffer the library owns:
+    shape (members, *shape) for a stack's chunk, the member's shape for a single-chunk array."""
+    first = np.asarray(parts[0])
+    stacked = w.array < 0
+    shape = tuple(b - a for a, b in (w.box[1:] if stacked else w.box))
+    out_shape = (len(w.members), *shape) if stacked else shape
+    if buffers is None or w.nbytes == 0:
+        out = np.empty(out_shape, first.dtype)
+    else:
+        buf = POOL.take(w.nbytes)
+        buffers.append(buf)
+        out = buf.view(first.dtype).reshape(out_shape)
+    whole = full_box(shape)
+    where: dict = {whole: ...}  # box -> its slices in a member (members of a stack share boxes)
+    k = 0
+    for slot, (_, pieces) in enumerate(w.members):
+        dst = out[slot] if stacked else out
+        for box, _ in pieces:
+            index = where.get(box)
+            if index is None:
+                index = where[box] = relative(box, whole)
+            # (a copy of the device buffer, as owned_copy makes: donation may overwrite it)
+            dst[index] = first if k == 0 else np.asarray(parts[k])
+            k += 1
+    return out
+
+
+def take(pending: list[tuple[Any, Any]], buffers: list[np.ndarray] | None = None
+         ) -> Iterator[tuple[Any, np.ndarray]]:
     """Owned host copies in plan order, each yielded as soon as it exists, so that storage can
     start on a chunk while the next is copied."""
     for w, x in pending:
-        yield w, owned_copy(x, buffers)
+        yield w, (packed_copy(w, x, buffers) if isinstance(w, PackedWrite) else owned_copy(x, buffers))

@@ -11,12 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import jax
 import jax.tree_util as jtu
+import numpy as np
 
 from ckpt._errors import CheckpointError, TreeMismatchError
 
 # Node kinds in the manifest's tree encoding (formats/SPEC.md, "tree").
 DICT, LIST, TUPLE, NONE, CUSTOM, LEAF = "dict", "list", "tuple", "none", "custom", "leaf"
+
+# Deepest tree a checkpoint may hold: saves refuse deeper trees and readers refuse deeper
+# encodings, so the recursive walks below stay far from Python's recursion limit.
+MAX_TREE_DEPTH = 256
 
 
 @dataclass(frozen=True)
@@ -68,8 +74,15 @@ def _plain_key(key: Any) -> Any:
     return key if isinstance(key, (str, int)) and not isinstance(key, bool) else str(key)
 
 
+# Types that are never pytree nodes (pytree registrations are by exact type): leaves without asking
+# jax, which costs a tree_flatten per leaf.
+_LEAF_TYPES = frozenset({np.ndarray, int, float, complex, bool, str, bytes})
+
+
 def _children(node: Any) -> list[tuple[Any, Any]] | None:
     """The (key entry, child) pairs one level down, or None when `node` is a leaf."""
+    if type(node) in _LEAF_TYPES or isinstance(node, (jax.Array, np.generic)):
+        return None
     pairs, treedef = jtu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
     if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # not a registered node
         return None
@@ -81,6 +94,9 @@ def flatten(tree: Any) -> tuple[dict, list[FlatLeaf]]:
     leaves: list[FlatLeaf] = []
 
     def encode(node: Any, components: tuple[str, ...]) -> dict:
+        if len(components) > MAX_TREE_DEPTH:
+            raise CheckpointError(f"the tree is nested more than {MAX_TREE_DEPTH} levels deep; "
+                                  "checkpoints hold trees of at most that depth")
         if node is None:
             return {"kind": NONE}
         children = _children(node)
@@ -112,7 +128,8 @@ def flatten(tree: Any) -> tuple[dict, list[FlatLeaf]]:
 
 
 def unflatten(encoding: dict, values: Sequence[Any]) -> Any:
-    """Rebuild a tree from its manifest encoding using plain containers.
+    """Rebuild a tree from its manifest encoding (validated: ``_manifest_check.check_tree``)
+    using plain containers.
 
     dict/list/tuple/None come back as themselves. Custom nodes (NamedTuples, dataclasses,
     registered classes) come back as a dict keyed by field name, or as a tuple when their
@@ -134,6 +151,8 @@ def unflatten(encoding: dict, values: Sequence[Any]) -> Any:
             return tuple(children)
         if kind == CUSTOM:
             keys = node["keys"]
+            if keys == [["attr", "value"]]:  # a box around one value (flax nnx Variable, linen Partitioned)
+                return children[0]
             if keys and all(k[0] != "index" for k in keys):
                 return {k[1]: c for k, c in zip(keys, children)}
             return tuple(children)
@@ -180,7 +199,8 @@ def match_target(
     index = {p: i for i, p in enumerate(saved_paths)}
     target_paths = [join_path([_entry_text(e) for e in path]) for path, _ in pairs]
     unexpected = [display_path(p) for p in target_paths if p not in index]
-    missing = [] if partial else [display_path(p) for p in saved_paths if p not in set(target_paths)]
+    wanted = set(target_paths)
+    missing = [] if partial else [display_path(p) for p in saved_paths if p not in wanted]
     if unexpected or missing:
         raise TreeMismatchError(missing, unexpected)
     return treedef, [(index[p], leaf) for p, (_, leaf) in zip(target_paths, pairs)]
@@ -213,13 +233,18 @@ def storage_paths(components: Sequence[tuple[str, ...]]) -> list[str]:
     a top-level ``~N`` directory ('~' never appears in an escaped name).
     """
     out, leaves, groups = [], set(), set()
+    escaped: dict[str, str] = {}  # trees repeat the same few names thousands of times
     for i, comps in enumerate(components):
-        path = "/".join(escape_component(c) for c in comps) or "_root"
+        for c in comps:
+            if c not in escaped:
+                escaped[c] = escape_component(c)
+        path = "/".join(escaped[c] for c in comps) or "_root"
         low = path.lower().split("/")
         prefixes = {"/".join(low[:k]) for k in range(1, len(low))}
-        if "/".join(low) in leaves | groups or prefixes & leaves:
-            path, low, prefixes = f"~{i}", [f"~{i}"], set()
-        leaves.add("/".join(low))
+        whole = "/".join(low)
+        if whole in leaves or whole in groups or not prefixes.isdisjoint(leaves):
+            path, whole, prefixes = f"~{i}", f"~{i}", set()
+        leaves.add(whole)
         groups |= prefixes
         out.append(path)
     return out

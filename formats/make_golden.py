@@ -64,6 +64,28 @@ def golden_tree(mesh: Mesh) -> dict:
     }
 
 
+def golden_tree_v2(mesh: Mesh) -> dict:
+    """Version 1's tree plus what version 2 adds: stacks of small arrays (SPEC section 7.1), here
+    three layers whose kernels (sharded) and scales (bfloat16, replicated) form two stacks."""
+
+    def put(a: np.ndarray, *spec) -> jax.Array:
+        return jax.device_put(a, NamedSharding(mesh, P(*spec)))
+
+    tree = golden_tree(mesh)
+    tree["name"] = "golden-v2"
+    tree["layers"] = [
+        {
+            "kernel": put(np.arange(32 * 40, dtype=np.float32).reshape(32, 40) * 0.25 + i, "data", "model"),
+            "scale": put(((np.arange(2560) % 128) * 0.5 - i).astype(ml_dtypes.bfloat16)),
+        }
+        for i in range(3)
+    ]
+    return tree
+
+
+TREES = {1: golden_tree, 2: golden_tree_v2}
+
+
 def main(argv=None) -> int:
     import ckpt
     from ckpt._manifest import FORMAT_VERSION
@@ -79,7 +101,7 @@ def main(argv=None) -> int:
             return 1
         shutil.rmtree(dest)
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
-    ckpt.save(dest, golden_tree(mesh))
+    ckpt.save(dest, TREES[FORMAT_VERSION](mesh))
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(dest) for f in fs)
     print(f"wrote {dest} ({size} bytes)")
     return 0

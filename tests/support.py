@@ -31,6 +31,11 @@ from ckpt.storage._base import Done
 
 BIG = 1 << 31  # max_bytes for reading whole objects in tests
 
+# Options of a save that writes every array shard by shard, for tests that inspect, count or
+# damage the per-shard chunk files of arrays small enough to be packed otherwise (one chunk, or a
+# slice of a stack: Options.pack_limit_bytes; the packed layout has tests/test_small_leaves.py).
+PER_SHARD = ckpt.Options(pack_limit_bytes=0)
+
 
 # ---- locations ---------------------------------------------------------------------------------
 
@@ -133,6 +138,40 @@ def truncate(storage: Storage, key: str, nbytes: int) -> None:
     storage.put(key, storage.get(key, max_bytes=BIG)[:nbytes]).result()
 
 
+# ---- leftovers of saves -----------------------------------------------------------------------
+
+SAVER_LEASE = ".jax-ckpt-saver"  # a saving manager's lease object, on storage without locks
+
+
+def without_lease(listing):
+    """A listing (names, or a snapshot dict) without a saving manager's lease object."""
+    if isinstance(listing, dict):
+        return {k: v for k, v in listing.items() if k != SAVER_LEASE}
+    return [n for n in listing if n != SAVER_LEASE]
+
+
+def dead_owner() -> bytes:
+    """An owner record (storage._base.OWNER_NAME) of a process of this machine that has exited."""
+    import json
+    import subprocess
+    import sys
+
+    from ckpt.storage._base import owner_record
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return json.dumps({**owner_record(), "pid": proc.pid, "start": "1"}).encode()
+
+
+def plant_dead_save(storage: Storage, name: str) -> None:
+    """What a save killed mid-way leaves at `name` below `storage`: staged data and the owner
+    record of a process that is gone."""
+    from ckpt.storage._base import OWNER_NAME
+
+    storage.put(f"{name}/w/c/0/0", b"x" * 64).result()
+    storage.put(f"{name}/{OWNER_NAME}", dead_owner()).result()
+
+
 # ---- CRC-32C, independently of the library ---------------------------------------------------
 
 
@@ -201,6 +240,7 @@ class Faults:
     def __init__(self, inner_engine: str | None = None):
         self.inner_engine = inner_engine
         self.calls: Counter = Counter()  # op -> calls so far
+        self.log: list[tuple[str, str]] = []  # (op, where) of every call, in order
         self._rules: list[_Rule] = []
         self._lock = threading.Lock()
 
@@ -258,6 +298,7 @@ class Faults:
     def call(self, storage: "FaultyStorage", op: str, where: str, args: tuple, forward: Callable) -> Any:
         with self._lock:
             self.calls[op] += 1
+            self.log.append((op, where))
             active = []
             for rule in self._rules:
                 if rule.op != op or (rule.when is not None and not rule.when(where, args)):
@@ -362,6 +403,19 @@ class FaultyStorage(WrapperStorage):
     def retire(self):
         return self._call("retire", self.url, super().retire)
 
+    def sync(self, key=""):
+        return self._call("sync", self.where(key), self.inner.sync, key)
+
+    def publish(self, staged, *, overwrite):
+        return self._call("publish", self.url, lambda s: super(FaultyStorage, self).publish(s, overwrite=overwrite),
+                          staged)
+
+    def stat_many(self, keys):
+        return self._call("stat_many", self.url, self.inner.stat_many, list(keys))
+
+    def lock_saves(self):
+        return self._call("lock_saves", self.url, self.inner.lock_saves)
+
 
 def write_hook_options(before: Callable[[np.ndarray], None]) -> ckpt.Options:
     """Options whose storage calls ``before(data)`` ahead of every chunk write of this process."""
@@ -373,11 +427,12 @@ def write_hook_options(before: Callable[[np.ndarray], None]) -> ckpt.Options:
 def committed_generations(location: Any) -> list[str]:
     """The top-level entries the manifest at `location` points into."""
     manifest = manifest_of(location)
-    return sorted({l.zarr.path.split("/", 1)[0] for l in manifest.leaves if l.zarr is not None})
+    paths = [l.zarr.path for l in manifest.leaves if l.zarr is not None] + [s.zarr.path for s in manifest.stacks]
+    return sorted({p.split("/", 1)[0] for p in paths})
 
 
 __all__ = [
-    "BIG", "Faults", "FaultyStorage", "Gate", "Location", "chunk_object", "committed_generations",
-    "copy_tree", "crc32c_reference", "disk_full", "flip_byte", "io_error", "keys", "leaf_storage_path",
-    "manifest_of", "snapshot", "storage_of", "truncate", "write_hook_options",
+    "BIG", "PER_SHARD", "Faults", "FaultyStorage", "Gate", "Location", "SAVER_LEASE", "chunk_object", "committed_generations",
+    "copy_tree", "crc32c_reference", "dead_owner", "disk_full", "flip_byte", "io_error", "keys", "leaf_storage_path",
+    "manifest_of", "plant_dead_save", "snapshot", "storage_of", "truncate", "without_lease", "write_hook_options",
 ]

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
 from ckpt.storage import MANIFEST_NAME
-from support import BIG, chunk_object, copy_tree, crc32c_reference, flip_byte, storage_of, truncate
+from support import BIG, PER_SHARD, chunk_object, copy_tree, crc32c_reference, flip_byte, storage_of, truncate
 
 
 def _mesh():
@@ -35,7 +35,7 @@ def saved(module_location):
     tree = {"params": {"w": jax.device_put(v["w"], NamedSharding(mesh, P("data", "model"))),
                        "b": jax.device_put(v["b"], NamedSharding(mesh, P(None, "model")))}}
     path = module_location("ckpt")
-    ckpt.save(path, tree)
+    ckpt.save(path, tree, options=PER_SHARD)  # the tests damage chunk files of each shard
     return module_location, path
 
 
@@ -141,8 +141,10 @@ def test_overlong_chunk_is_an_error_naming_the_chunk(copy, verify):
     with pytest.raises(ckpt.CheckpointError) as e:
         ckpt.restore(copy, verify=verify)
     msg = str(e.value)
-    # (64, 16) bfloat16: 2048 bytes expected, 2052 found
-    assert "params/b" in msg and "[0, 2]" in msg and chunk_file in msg and "2052" in msg and "2048" in msg
+    # (64, 16) bfloat16: 2048 bytes expected, 2052 found (object stores say only "more than":
+    # reads are bounded by the recorded size, so the rest is never read)
+    assert "params/b" in msg and "[0, 2]" in msg and chunk_file in msg and "2048" in msg
+    assert "2052" in msg or "holds more than the 2048 bytes expected" in msg
 
 
 @pytest.mark.parametrize("verify", [True, False])

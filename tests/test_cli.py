@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import ckpt
 import ckpt.storage
 from ckpt.cli import main as cli_main
 from ckpt._restore import restore_with_stats
+from support import PER_SHARD  # these checkpoints keep one chunk file per shard: tests name chunks
 
 _SCRIPT = os.path.join(os.path.dirname(sys.executable), "ckpt")
 CKPT = [_SCRIPT] if os.path.exists(_SCRIPT) else [sys.executable, "-m", "ckpt"]
@@ -53,7 +55,7 @@ def _train_state(step):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("cli") / "run"
-    manager = ckpt.CheckpointManager(directory, async_save=False)
+    manager = ckpt.CheckpointManager(directory, async_save=False, options=PER_SHARD)
     for step in (1, 2):
         manager.save(step, _train_state(step), metadata={"loss": 1.0 / step})
     manager.close()
@@ -171,13 +173,18 @@ def test_verify_names_every_bad_chunk_and_keeps_going(step2_copy):
     assert "DAMAGED, 3 bad chunk(s) and 1 bad array metadata file(s) in 2 array(s)" in p.stdout
 
 
-def test_verify_shows_a_progress_bar_on_a_terminal(run_dir):
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def on_terminal(*args, stdout_tty=False, env=None):
+    """Run the command with stderr (and stdout if `stdout_tty`) on a pseudo-terminal;
+    (returncode, stdout text, terminal text)."""
     import pty
 
     master, slave = pty.openpty()
     try:
-        p = subprocess.run([*CKPT, "verify", str(run_dir / "step_00000001")], stdout=subprocess.PIPE,
-                           stderr=slave, text=True, timeout=120)
+        p = subprocess.run([*CKPT, *map(str, args)], stdout=slave if stdout_tty else subprocess.PIPE,
+                           stderr=slave, timeout=120, env={**os.environ, "COLUMNS": "160", **(env or {})})
         os.close(slave)
         chunks = []
         while True:
@@ -190,9 +197,17 @@ def test_verify_shows_a_progress_bar_on_a_terminal(run_dir):
             chunks.append(block)
     finally:
         os.close(master)
-    err = b"".join(chunks).decode()
-    assert p.returncode == 0
-    assert "\rverify [" in err and "100%" in err and "16.00 KiB / 16.00 KiB" in err and "/s" in err
+    return p.returncode, (p.stdout or b"").decode(), b"".join(chunks).decode()
+
+
+def test_verify_shows_a_progress_bar_on_a_terminal(run_dir):
+    rc, out, err = on_terminal("verify", run_dir / "step_00000001")
+    plain = ANSI.sub("", err)
+    assert rc == 0 and "\x1b[" in err  # drawn by rich, on the terminal
+    assert "verify" in plain and "100%" in plain and "16.00 KiB / 16.00 KiB" in plain and "/s" in plain
+    assert "result: intact" in out and "\x1b" not in out  # stdout is piped: plain text
+    rc, out, err = on_terminal("verify", run_dir / "step_00000001", "--no-progress")
+    assert rc == 0 and "100%" not in err
 
 
 def test_diff_two_steps_of_a_training_run(run_dir):
@@ -224,7 +239,7 @@ def test_diff_reports_keys_shapes_and_dtypes_and_streams_in_small_blocks(run_dir
     state["opt"]["mu"] = jax.device_put(MU[:, :16], NamedSharding(_mesh(), P("data", "model")))  # shape
     del state["tag"]
     state["extra"] = np.zeros(3)
-    ckpt.save(other, state)
+    ckpt.save(other, state, options=PER_SHARD)
     a = run_dir / "step_00000002"
     # 256-byte blocks: every 1 KiB chunk is compared in pieces, and B's chunking differs from A's.
     doc = json.loads(run("diff", a, other, "--json", "--block-bytes", "256", check_rc=1).stdout)
@@ -298,6 +313,7 @@ def test_expected_errors_print_one_line_and_exit_2(run_dir, step2_copy, tmp_path
     elif case == "bad_field":
         m = msgpack.unpackb(manifest.read_bytes(), raw=False)
         next(l for l in m["leaves"] if l["path"] == "params/w")["storage"]["chunk_checksums"].pop()
+        m.pop("manifest_crc32c")  # (a hand-edited manifest without its checksum; with it: "corrupted")
         _write(manifest, msgpack.packb(m, use_bin_type=True))
         args, words = ["plan", step2_copy, "--mesh", "data=2"], "('params/w'): chunk_checksums has 7 entries, expected 8"
     elif case == "uncommitted":
@@ -360,7 +376,7 @@ def memory_run():
 
     root = f"memory://cli/{uuid.uuid4().hex}/run"
     for step in (1, 2):
-        ckpt.save(f"{root}/step_{step:08d}", _train_state(step))
+        ckpt.save(f"{root}/step_{step:08d}", _train_state(step), options=PER_SHARD)
     _storage(f"{root}/step_00000003").put("gen-0123456789ab/zarr.json", b"{}").result()
     return root
 
@@ -371,7 +387,7 @@ def memory_copy():
     import uuid
 
     url = f"memory://cli/{uuid.uuid4().hex}/ckpt"
-    ckpt.save(url, _train_state(2))
+    ckpt.save(url, _train_state(2), options=PER_SHARD)
     return url
 
 
@@ -393,7 +409,8 @@ def test_ls_on_memory_sizes_committed_steps_from_their_manifests(capsys, memory_
     assert rc == 0 and lines[0].split() == ["STEP", "STATE", "SIZE", "FILES", "WRITTEN", "PATH"]
     assert lines[1].split()[:3] == ["1", "committed", f"~{(16 * 1024 + len(manifest)) / 1024:.2f}"]
     assert lines[1].split()[4] == "~17"
-    assert lines[3].split() == ["3", "uncommitted", "-", "-", "-", f"{memory_run}/step_00000003"]
+    assert lines[3].split()[:6] == ["3", "uncommitted", "-", "-", "-", f"{memory_run}/step_00000003"]
+    assert "(leftover of a dead save: no save owns it" in lines[3]  # its generation has no owner record
 
 
 def test_inspect_on_memory_picks_the_latest_step_and_shows_generation_paths(capsys, memory_run):
@@ -464,7 +481,7 @@ def test_diff_names_leaf_chunk_and_file_of_a_bad_chunk(capsys, memory_run, memor
 
 @pytest.mark.parametrize("engine", ["fsspec", "tensorstore"])
 def test_every_command_on_a_local_path_through_another_engine(tmp_path, engine):
-    opts = ckpt.Options(engine=engine)
+    opts = ckpt.Options(engine=engine, pack_limit_bytes=0)
     a, b = tmp_path / "a", tmp_path / "b"
     ckpt.save(a, _train_state(1), options=opts)
     ckpt.save(b, _train_state(2), options=opts)
@@ -528,3 +545,182 @@ def test_engine_option_is_offered_by_every_command_that_takes_a_location(capsys)
             cli_main([command, "--help"])
         text = " ".join(capsys.readouterr().out.split())
         assert "--engine {local,tensorstore,fsspec}" in text, (command, text)
+
+
+# ---- terminal output, --json everywhere, suggestions, help ------------------------------------
+# In this process (cli()) where the command's output is all that is checked; a real terminal
+# (on_terminal) where what is checked is how the terminal is detected.
+
+
+def run_json(capsys, *args, rc=0):
+    code, out, err = cli(capsys, *args, "--json")
+    assert code == rc, (code, out, err)
+    return json.loads(out)
+
+
+def test_a_real_terminal_gets_rich_tables_and_a_pipe_gets_plain_text(run_dir):
+    rc, out, term = on_terminal("ls", run_dir, stdout_tty=True)
+    text = ANSI.sub("", term)
+    assert rc == 0 and "\x1b[32mcommitted" in term  # committed steps in green, on the terminal
+    assert "STEP" in text and "uncommitted" in text and "step_00000003" in text
+    plain = run("ls", run_dir, check_rc=0)
+    assert "\x1b" not in plain.stdout + plain.stderr
+
+
+@pytest.mark.parametrize("args", [["ls", "{run}"], ["inspect", "{step2}"], ["du", "{step2}"],
+                                  ["plan", "{step2}", "--mesh", "data=2,model=4"], ["diff", "{step1}", "{step2}"],
+                                  ["verify", "{step2}", "--all"]])
+def test_every_command_draws_with_rich_when_forced_and_plain_otherwise(capsys, monkeypatch, run_dir, args):
+    args = [a.format(run=run_dir, step1=run_dir / "step_00000001", step2=run_dir / "step_00000002") for a in args]
+    rc, plain, _ = cli(capsys, *args)
+    assert rc in (0, 1) and plain.strip() and "\x1b" not in plain
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich then treats the captured stdout as a terminal
+    monkeypatch.setenv("COLUMNS", "160")
+    rc2, drawn, _ = cli(capsys, *args)
+    assert rc2 == rc and "\x1b[" in drawn
+    words = [w for w in re.findall(r"[A-Za-z_]{4,}", plain) if w not in ("verified", "summary")][:6]
+    assert all(w in ANSI.sub("", drawn) for w in words), (words, drawn)
+
+
+@pytest.mark.parametrize("command", ["ls", "inspect", "verify", "du", "diff", "plan", "export"])
+def test_every_command_that_prints_data_has_json(capsys, run_dir, tmp_path, command):
+    path = run_dir / "step_00000002"
+    args = {"ls": [run_dir], "inspect": [path], "verify": [path], "du": [path], "diff": [path, path],
+            "plan": [path, "--mesh", "data=2,model=4"], "export": [path, tmp_path / "out"]}[command]
+    assert run_json(capsys, command, *args)
+
+
+def _chunk_files(checkpoint):
+    """Every chunk file of a local checkpoint (the files under a Zarr array's c/ directory)."""
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(checkpoint) for f in fs
+                  if f"{os.sep}c{os.sep}" in d + os.sep)
+
+
+def test_verify_json_names_every_problem(capsys, run_dir, step2_copy):
+    intact = run_json(capsys, "verify", run_dir / "step_00000002")
+    chunk = _chunk_files(step2_copy)[0]
+    data = bytearray(open(chunk, "rb").read())
+    data[3] ^= 0x10
+    _write(chunk, bytes(data))
+    doc = run_json(capsys, "verify", step2_copy, rc=1)
+    assert doc["intact"] is False and (doc["chunks"], doc["bytes"]) == (intact["chunks"], intact["bytes"])
+    assert [p["file"] for p in doc["problems"]] == [chunk] and doc["problems"][0]["chunk"] is not None
+    assert doc["problems"][0]["what"].startswith("checksum mismatch") and doc["problems"][0]["leaf"]
+
+
+def test_verify_all_checks_every_step_under_one_progress_bar(capsys, run_dir, tmp_path):
+    from ckpt.cli._render import human_bytes
+
+    one = [run_json(capsys, "verify", run_dir / f"step_0000000{s}") for s in (1, 2)]
+    total = one[0]["bytes"] + one[1]["bytes"]
+    rc, out, _ = cli(capsys, "verify", run_dir, "--all")
+    out = out.splitlines()
+    assert rc == 0 and out[0].startswith(f"verified 2 committed step(s) of {run_dir}: "
+                                         f"{one[0]['chunks'] + one[1]['chunks']} chunks ({human_bytes(total)}) in ")
+    for k, s in enumerate(one):
+        assert out[1 + k] == (f"step {k + 1}: {s['chunks']} chunks of {s['arrays']} arrays, "
+                              f"{s['inline_arrays']} inline: intact")
+    assert out[3].startswith("step 3: not verified, uncommitted") and "step_00000003.tmp-" in out[3]
+    assert out[4] == "result: intact, every chunk of 2 step(s) matches its checksum"
+    rc, _, term = on_terminal("verify", run_dir, "--all")
+    plain = ANSI.sub("", term)
+    assert rc == 0 and f"{human_bytes(total)} / {human_bytes(total)}" in plain  # one bar over all steps
+    assert f"/ {human_bytes(one[0]['bytes'])}" not in plain
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    chunk = _chunk_files(copy / "step_00000001")[-1]
+    _write(chunk, open(chunk, "rb").read()[:100])
+    rc, out, _ = cli(capsys, "verify", copy, "--all")
+    assert rc == 1 and f"({chunk}): file is truncated: 100 of " in out
+    assert out.splitlines()[-1] == "result: DAMAGED, step(s) [1]"
+    doc = run_json(capsys, "verify", copy, "--all", rc=1)
+    assert [(s["step"], s["intact"]) for s in doc["steps"]] == [(1, False), (2, True)]
+    assert [(s["step"], s["state"]) for s in doc["not_verified"]] == [(3, "uncommitted")]
+    rc, out, err = cli(capsys, "verify", copy, "--all", "--step", "1")
+    assert (rc, out) == (2, "") and "--all verifies every step" in err and len(err.splitlines()) == 1
+
+
+def test_du_shows_bytes_per_subtree(capsys, run_dir):
+    doc = run_json(capsys, "du", run_dir)
+    subtrees = {s["path"]: s for s in doc["subtrees"]}
+    assert list(subtrees) == ["params", "opt", "step", "tag"]  # largest first
+    # w (64x32 float32) and b (32 float32); mu and count (int32): however they are laid out
+    assert (subtrees["params"]["data_bytes"], subtrees["params"]["arrays"]) == (8192 + 128, 2)
+    assert (subtrees["opt"]["data_bytes"], subtrees["opt"]["arrays"]) == (8192 + 4, 2)
+    assert subtrees["params"]["bytes"] >= 8192 + 128 and subtrees["opt"]["bytes"] >= 8192 + 4
+    assert subtrees["step"]["values"] == 1 and subtrees["step"]["bytes"] == 0
+    assert doc["total_bytes"] == sum(s["bytes"] for s in doc["subtrees"])
+    assert abs(sum(s["share"] for s in doc["subtrees"]) - 1) < 1e-9
+    deep = run_json(capsys, "du", run_dir, "--depth", "2")
+    assert {s["path"] for s in deep["subtrees"]} == {"params/w", "params/b", "opt/mu", "opt/count", "step", "tag"}
+    assert sum(s["bytes"] for s in deep["subtrees"]) == doc["total_bytes"]
+    rc, out, _ = cli(capsys, "du", run_dir)
+    lines = out.splitlines()
+    assert rc == 0 and lines[0].split() == ["SUBTREE", "ARRAYS", "BYTES", "SHARE"]
+    p = subtrees["params"]
+    assert lines[1].split()[:2] == ["params", "2"] and lines[1].split()[-1] == f"{100 * p['share']:.1f}%"
+    assert lines[-1].startswith("total: ") and lines[-1].endswith(f"in 4 subtree(s) of {run_dir / 'step_00000002'}")
+
+
+def test_export_from_the_cli_matches_the_safetensors_loader(capsys, run_dir, tmp_path):
+    from safetensors.numpy import load_file
+
+    names = tmp_path / "names.json"
+    names.write_text(json.dumps({"opt.mu": None, "opt.count": "optimizer.count"}))
+    out = tmp_path / "hf"
+    doc = run_json(capsys, "export", run_dir, out, "--format", "safetensors", "--shard-size", "5KB",
+                   "--rename-file", names, "--rename", r"^params\.=model.")
+    assert doc["source"] == str(run_dir / "step_00000002") and doc["skipped"] == ["step", "tag"]
+    assert doc["dropped"] == ["opt/mu"] and set(doc["tensors"]) == {"model.w", "model.b", "optimizer.count"}
+    assert os.path.basename(doc["files"][-1]) == "model.safetensors.index.json" and len(doc["files"]) == 3
+    loaded = {}
+    for f in doc["files"][:-1]:
+        loaded.update(load_file(f))
+    assert np.array_equal(loaded["model.w"], W - 0.125 * 2) and np.array_equal(loaded["model.b"], np.full(32, 0.5))
+    assert loaded["optimizer.count"] == 2 and loaded["optimizer.count"].dtype == np.int32
+    rc, text, err = cli(capsys, "export", run_dir, out)
+    assert (rc, text) == (2, "") and "already holds an export" in err and "--overwrite" in err
+    assert len(err.splitlines()) == 1
+    rc, text, _ = cli(capsys, "export", run_dir, out, "--overwrite", "--step", "1")
+    assert rc == 0 and text.startswith(f"exported 4 tensors (16.13 KiB) of {run_dir / 'step_00000001'}\n")
+    assert text.rstrip().endswith("not tensors, not exported (2): step, tag")
+    assert sorted(os.listdir(out)) == ["model.safetensors"]  # the earlier shards and index replaced
+    back = ckpt.restore(out)
+    assert np.array_equal(back["params"]["w"], W - 0.125)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["export", "{run}", "{tmp}/o", "--rename", "no-equals-sign"], "bad --rename rule 'no-equals-sign'"),
+    (["export", "{run}", "{tmp}/o", "--rename", "(=x"], "bad --rename rule '(=x'"),
+    (["export", "{run}", "{tmp}/o", "--shard-size", "5 parsecs"], "bad size '5 parsecs'"),
+    (["export", "{run}", "{tmp}/o", "--format", "gguf"], "argument --format: invalid choice: 'gguf'"),
+    (["export", "{run}", "{tmp}/o", "--rename-file", "{tmp}/missing.json"], "No such file or directory"),
+    (["export", "{run}", "{tmp}/o", "--rename", "^.*$=same"], "both become tensor 'same'"),
+    (["export", "{run}", "{tmp}/o", "--host-budget", "0"], "bad size '0'"),
+    (["verfy", "{run}"], "did you mean 'verify'?"),
+    (["inspct", "{run}"], "did you mean 'inspect'?"),
+    (["du", "{run}", "--step", "7"], "no step 7 in"),
+    (["du", "{run}", "--depth", "0"], "--depth must be at least 1"),
+])
+def test_export_du_and_mistyped_commands_fail_in_one_line(capsys, run_dir, tmp_path, args, words):
+    args = [a.format(run=run_dir, tmp=tmp_path) for a in args]
+    rc, out, err = cli(capsys, *args)
+    assert (rc, out) == (2, ""), (out, err)
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and words in err, err
+    assert err.startswith(f"ckpt {args[0]}: error: " if args[0] in ("export", "du") else "ckpt: error: "), err
+
+
+def test_a_wild_command_gets_no_suggestion(capsys):
+    rc, _, err = cli(capsys, "frobnicate")
+    assert rc == 2 and "invalid choice: 'frobnicate'" in err and "did you mean" not in err
+
+
+def test_help_is_wrapped_to_the_terminal(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "70")
+    for command in ("export", "verify", "du"):
+        with pytest.raises(SystemExit):
+            cli_main([command, "--help"])
+        lines = capsys.readouterr().out.splitlines()
+        assert max(len(line) for line in lines) <= 70, [line for line in lines if len(line) > 70]
+        assert len(lines) > 10

@@ -6,6 +6,7 @@ faults are injected through the storage interface (support.FaultyStorage). Tests
 
 import errno
 import os
+import shutil
 
 import jax
 import msgpack
@@ -50,7 +51,7 @@ def test_failed_save_leaves_nothing_behind(location, sharding):
     faults = Faults()
     faults.fail("write_chunk", after=3)
     with pytest.raises(OSError, match="No space left") as e:
-        ckpt.save(location("c"), _tree(sharding), options=faults.options())
+        ckpt.save(location("c"), _tree(sharding), options=faults.options(pack_limit_bytes=0))
     assert e.value.errno == errno.ENOSPC
     assert faults.calls["write_chunk"] > 3
     assert location.names() == []  # no checkpoint, no temporary directory or generation
@@ -67,7 +68,7 @@ def test_chunk_write_error_fails_the_overwrite_and_keeps_the_previous_checkpoint
     before = location.snapshot()
     faults = Faults()
     faults.fail("write_chunk", error, after=5, in_future=how == "in-future")
-    handle = ckpt.save_async(path, _tree(sharding, 2.0), overwrite=True, options=faults.options())
+    handle = ckpt.save_async(path, _tree(sharding, 2.0), overwrite=True, options=faults.options(pack_limit_bytes=0))
     with pytest.raises(OSError) as e:
         handle.wait()
     assert e.value.errno == error("x").errno
@@ -147,7 +148,7 @@ def test_failed_cleanup_of_a_failed_save_is_never_a_checkpoint(location, shardin
     faults.fail("write_chunk", after=2)
     faults.fail("abort", io_error)
     with pytest.raises(OSError, match="No space left"):
-        ckpt.save(path, _tree(sharding, 2.0), overwrite=True, options=faults.options())
+        ckpt.save(path, _tree(sharding, 2.0), overwrite=True, options=faults.options(pack_limit_bytes=0))
     assert faults.calls["abort"] == 1
     _assert_holds(path, 1.0)
     if location.kind == "local":
@@ -288,7 +289,7 @@ def test_metadata_and_restore_in_a_process_with_one_device(tmp_path, sharding):
     import subprocess
     import sys
 
-    ckpt.save(tmp_path / "c", _tree(sharding, 3.0))
+    ckpt.save(tmp_path / "c", _tree(sharding, 3.0), options=ckpt.Options(pack_limit_bytes=0))  # chunk_shape below
     code = (
         "import jax, numpy as np, ckpt\n"
         "assert len(jax.devices()) == 1\n"
@@ -304,3 +305,128 @@ def test_metadata_and_restore_in_a_process_with_one_device(tmp_path, sharding):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+# ---- what is on disk is untrusted -------------------------------------------------------------
+# (tests/adversarial runs every hostile variant through every read path; these are the readable
+# examples of each rule.)
+
+
+def _big_tree(sharding, fill=1.0):
+    """Arrays over the 1 MiB under which small arrays are packed: written shard by shard."""
+    return {"w": jax.device_put(np.full((1024, 512), fill, np.float32), sharding), "step": 1}
+
+
+def test_a_damaged_manifest_is_an_error_naming_the_file_never_other_data(location, sharding):
+    path = location("c")
+    ckpt.save(path, _tree(sharding))
+    storage = location.storage("c")
+    data = storage.get(MANIFEST_NAME, max_bytes=BIG)
+    for offset in (0, len(data) // 3, len(data) // 2, len(data) - 5, len(data) - 1):
+        flipped = bytearray(data)
+        flipped[offset] ^= 0x01
+        storage.put(MANIFEST_NAME, bytes(flipped)).result()
+        for read in (ckpt.restore, ckpt.metadata, lambda p: ckpt.restore(p, verify=False)):
+            with pytest.raises(ckpt.CheckpointError, match=r"manifest\.msgpack: manifest is corrupted"):
+                read(path)
+    storage.put(MANIFEST_NAME, data).result()
+    _assert_holds(path, 1.0)
+
+
+def _resealed(location, name, edit):
+    """Rewrite the manifest with `edit` and a valid checksum (a hostile writer, not damage)."""
+    from ckpt._manifest import seal
+
+    storage = location.storage(name)
+    doc = msgpack.unpackb(storage.get(MANIFEST_NAME, max_bytes=BIG), strict_map_key=False)
+    doc.pop("manifest_crc32c")
+    edit(doc)
+    storage.put(MANIFEST_NAME, seal(doc)).result()
+
+
+def _zarr_leaf(doc):
+    return next(l for l in doc["leaves"] if l.get("storage", {}).get("type") == "zarr")
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda d: _zarr_leaf(d)["storage"].update(path="../outside"), r"storage path '\.\./outside' is not a relative path"),
+    (lambda d: _zarr_leaf(d)["storage"].update(path="w//x"), r"storage path 'w//x' is not a relative path"),
+    (lambda d: _zarr_leaf(d)["storage"].update(path="a\\b"), r"is not a relative path"),
+    (lambda d: _zarr_leaf(d).update(dtype="object"), r"dtype 'object' is not one of the dtypes jax-ckpt writes"),
+    (lambda d: _zarr_leaf(d).update(shape=[10**12, 10**12]), r"larger than"),
+    (lambda d: d["tree"].update(keys=["w", "w"]), r"has the key 'w' twice"),
+    (lambda d: d["tree"].update(keys=[["unhashable"], "step"]), r"not a string or integer"),
+    (lambda d: d.update(tree=_deep(300)), r"nested more than 256 levels"),
+    (lambda d: next(l for l in d["leaves"] if l["kind"] == "int").update(value="9" * 5000), r"not a valid 'int' value"),
+    (lambda d: d.update(created=float("inf")), r"created inf is not a time"),
+])
+def test_a_hostile_manifest_is_refused_naming_the_field(location, sharding, edit, words):
+    path = location("c")
+    ckpt.save(path, _big_tree(NamedSharding(sharding.mesh, P("x", "y"))))
+    _resealed(location, "c", edit)
+    for read in (ckpt.restore, ckpt.metadata):
+        with pytest.raises(ckpt.CheckpointError, match=words):
+            read(path)
+
+
+def _deep(depth):
+    node = {"kind": "leaf", "index": 0}
+    for _ in range(depth):
+        node = {"kind": "list", "children": [node]}
+    return node
+
+
+def test_a_temporary_directory_is_never_a_checkpoint_whatever_it_holds(tmp_path, sharding):
+    """POSIX only: what a crash between the manifest write and the rename leaves, read directly
+    and through a link."""
+    from ckpt.cli import main as cli_main
+
+    ckpt.save(tmp_path / "c", _tree(sharding))
+    os.rename(tmp_path / "c", tmp_path / "c.tmp-0123456789ab")  # a whole checkpoint, manifest included
+    os.symlink("c.tmp-0123456789ab", tmp_path / "latest")
+    for where in (tmp_path / "c.tmp-0123456789ab", tmp_path / "latest"):
+        for read in (ckpt.restore, ckpt.metadata):
+            with pytest.raises(ckpt.CheckpointError, match="temporary directory of a save that never committed"):
+                read(where)
+        for command in ("verify", "inspect"):
+            assert cli_main([command, str(where)]) == 2
+
+
+def test_reads_never_leave_the_checkpoint_or_block(tmp_path, sharding):
+    """POSIX only: a chunk file replaced by a link to a file of the right size outside, by a link
+    to /dev/zero, or by a FIFO: each is an error naming the file, at once."""
+    path = tmp_path / "c"
+    ckpt.save(path, _big_tree(NamedSharding(sharding.mesh, P("x", "y"))))
+    chunk = path / "w" / "c" / "0" / "0"
+    size = chunk.stat().st_size
+    outside = tmp_path / "secret"
+    outside.write_bytes(b"S" * size)
+    saved = chunk.read_bytes()
+    for replace, words in [(lambda: os.symlink(outside, chunk), "is a symbolic link"),
+                           (lambda: os.symlink("/dev/zero", chunk), "is a symbolic link"),
+                           (lambda: os.mkfifo(chunk), r"is not a regular file \(a FIFO\)")]:
+        os.remove(chunk)
+        replace()
+        for verify in (True, False):
+            with pytest.raises(ckpt.CheckpointError, match=f"{chunk}.*{words}"):
+                ckpt.restore(path, verify=verify)
+        os.remove(chunk)
+        chunk.write_bytes(saved)
+    _assert_holds_big = ckpt.restore(path)["w"]
+    assert np.array_equal(_assert_holds_big, np.full((1024, 512), 1.0, np.float32))
+    # A link to a directory higher up: never followed either.
+    os.remove(chunk)
+    shutil.rmtree(path / "w" / "c" / "0")
+    os.symlink(tmp_path, path / "w" / "c" / "0")
+    with pytest.raises(ckpt.CheckpointError, match="is a symbolic link"):
+        ckpt.restore(path)
+
+
+def test_a_sparse_huge_chunk_file_is_refused_by_its_size_before_anything_is_read(tmp_path, sharding):
+    path = tmp_path / "c"
+    ckpt.save(path, _big_tree(NamedSharding(sharding.mesh, P("x", "y"))))
+    chunk = path / "w" / "c" / "0" / "0"
+    with open(chunk, "r+b") as f:
+        f.truncate(8 << 30)  # 8 GiB, sparse
+    with pytest.raises(ckpt.CheckpointError, match=r"holds 8589934592 bytes, more than the \d+ expected"):
+        ckpt.restore(path)

@@ -22,6 +22,8 @@ import ckpt
 
 FORMATS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "formats")
 GOLDEN_V1 = os.path.join(FORMATS, "golden", "v1", "checkpoint")
+GOLDEN_V2 = os.path.join(FORMATS, "golden", "v2", "checkpoint")
+GOLDEN = {"golden_v1": GOLDEN_V1, "golden_v2": GOLDEN_V2}
 
 
 def _load(name):
@@ -63,7 +65,15 @@ def _get(tree, path):
     return tree
 
 
+def _key_data(x):
+    """A typed PRNG key array (restore gives keys as keys) as its key data, anything else as is."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return np.asarray(jax.random.key_data(x))
+    return x
+
+
 def _assert_same_value(got, want, where):
+    got, want = _key_data(got), _key_data(want)
     if isinstance(want, (np.ndarray, np.generic)):
         assert type(got) is type(want), (where, type(got))
         assert got.dtype == want.dtype and got.shape == want.shape, (where, got.dtype, got.shape)
@@ -94,6 +104,35 @@ def test_golden_v1_restores_onto_a_mesh_with_its_saved_shardings():
     key = out["rng"]
     assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
     assert np.array_equal(np.asarray(jax.random.key_data(key)), want["rng"])
+
+
+# What formats/make_golden.py wrote for format version 2: version 1's values (name aside), with
+# single-chunk arrays where version 1 had one chunk per shard, plus two stacks (SPEC 7.1).
+def _golden_v2_expected():
+    want = {**_golden_v1_expected(), "name": "golden-v2"}
+    for i in range(3):
+        want[f"layers/{i}/kernel"] = np.arange(32 * 40, dtype=np.float32).reshape(32, 40) * 0.25 + i
+        want[f"layers/{i}/scale"] = np.array([(k % 128) * 0.5 - i for k in range(2560)], dtype=ml_dtypes.bfloat16)
+    return want
+
+
+def test_golden_v2_restores_to_the_stated_values_and_onto_a_mesh():
+    out = ckpt.restore(GOLDEN_V2)
+    want = _golden_v2_expected()
+    for path, value in want.items():
+        _assert_same_value(_get(out, path), value, path)
+    manifest = _manifest(GOLDEN_V2)
+    assert manifest["format_version"] == 2 and [s["shape"] for s in manifest["stacks"]] == [[3, 32, 40], [3, 2560]]
+    kinds = {l["path"]: l["storage"]["type"] for l in manifest["leaves"] if "storage" in l}
+    assert kinds["layers/1/kernel"] == kinds["layers/2/scale"] == "stacked" and kinds["params/dense/kernel"] == "zarr"
+    mesh = _mesh()
+    out = ckpt.restore(GOLDEN_V2, mesh=mesh)
+    for path, spec in [("layers/1/kernel", P("data", "model")), ("layers/2/scale", P()),
+                       ("params/dense/kernel", P("data", "model"))]:
+        arr = _get(out, path)
+        assert arr.sharding.is_equivalent_to(NamedSharding(mesh, spec), arr.ndim), path
+        for shard in arr.addressable_shards:
+            assert np.array_equal(np.asarray(shard.data), want[path][shard.index]), (path, shard.index)
 
 
 def test_golden_checkpoints_are_tiny_and_exist_for_every_version():
@@ -160,11 +199,12 @@ def _fresh_tree():
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("format") / "fresh")
-    ckpt.save(path, _fresh_tree())
+    ckpt.save(path, _fresh_tree(), options=ckpt.Options(pack_limit_bytes=0))  # one chunk per shard
     return path
 
 
 def _assert_same_tree(got, want, where="<root>"):
+    got, want = _key_data(got), _key_data(want)
     if isinstance(want, dict):
         assert isinstance(got, dict) and list(got) == list(want), (where, list(got), list(want))
         for k in want:
@@ -182,9 +222,9 @@ def _assert_same_tree(got, want, where="<root>"):
         assert type(got) is type(want) and got == want, (where, got, want)
 
 
-@pytest.mark.parametrize("which", ["golden_v1", "fresh"])
+@pytest.mark.parametrize("which", ["golden_v1", "golden_v2", "fresh"])
 def test_reference_reader_returns_what_restore_returns(which, fresh):
-    path = GOLDEN_V1 if which == "golden_v1" else fresh
+    path = GOLDEN.get(which, fresh)
     by_spec = reference.read_checkpoint(path)
     _assert_same_tree(by_spec, ckpt.restore(path))
     if which == "fresh":  # and both hold the saved values
@@ -208,10 +248,10 @@ def test_reference_reader_refuses_damage_and_newer_versions(fresh, tmp_path):
         reference.read_checkpoint(bad)
     newer = str(tmp_path / "newer")
     shutil.copytree(GOLDEN_V1, newer)
-    _rewrite_manifest(newer, lambda m: m.update(format_version=2))
+    _rewrite_manifest(newer, lambda m: m.update(format_version=3))
     with pytest.raises(reference.FormatError, match="newer"):
         reference.read_checkpoint(newer)
-    with pytest.raises(ckpt.CheckpointError, match="format_version 2 is newer"):
+    with pytest.raises(ckpt.CheckpointError, match="format_version 3 is newer"):
         ckpt.restore(newer)
 
 
@@ -291,10 +331,10 @@ def _manifest(root):
         return msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
 
 
-@pytest.mark.parametrize("which", ["golden_v1", "fresh"])
+@pytest.mark.parametrize("which", ["golden_v1", "golden_v2", "fresh"])
 def test_manifests_match_the_json_schema(which, fresh):
     schema = _schema()
-    manifest = _manifest(GOLDEN_V1 if which == "golden_v1" else fresh)
+    manifest = _manifest(GOLDEN.get(which, fresh))
     assert _errors(manifest, schema, schema) == []
 
 

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ckpt
-from support import committed_generations, keys as stored_keys
+from support import PER_SHARD, committed_generations, keys as stored_keys
 
 DTYPES_32 = [
     "float32", "float16", "bfloat16", "int8", "int16", "int32", "uint8", "uint16", "uint32", "bool",
@@ -65,7 +65,7 @@ def _roundtrip_dtypes(location, names):
         "big": {n: jax.device_put(v, sharding) for n, v in big.items()},
         "small": {n: jax.device_put(v, sharding) for n, v in small.items()},
     }
-    ckpt.save(location("c"), tree)
+    ckpt.save(location("c"), tree, options=PER_SHARD)  # chunk shapes checked below
     out = ckpt.restore(location("c"), jax.tree.map(lambda a: a.sharding, tree))
     for n in names:
         _check_restored(out["big"][n], big[n], sharding)
@@ -109,6 +109,10 @@ def test_prng_keys_restore_as_keys(location, impl):
     assert np.array_equal(jax.random.normal(out["single"], (4,)), jax.random.normal(single, (4,)))
     meta = ckpt.metadata(location("c"))
     assert meta["keys"].shape == (1024,) and meta["keys"].dtype == keys.dtype
+    plain = ckpt.restore(location("c"))  # no target: typed keys too (they have no numpy form)
+    assert plain["keys"].dtype == keys.dtype and jax.random.key_impl(plain["keys"]) == jax.random.key_impl(keys)
+    assert np.array_equal(jax.random.key_data(plain["keys"]), jax.random.key_data(keys))
+    assert np.array_equal(jax.random.key_data(plain["single"]), jax.random.key_data(single))
     mesh2 = jax.make_mesh((2, 4), ("y", "x"))
     on_mesh = ckpt.restore(location("c"), mesh=mesh2)
     assert on_mesh["keys"].sharding == NamedSharding(mesh2, P("x"))
@@ -200,7 +204,7 @@ def test_odd_keys_get_safe_storage_paths(location):
     v = {k: jax.device_put(np.full((64, 32), i, np.float32), sharding)
          for i, k in enumerate(["a/b", "..", ".hidden", "zarr.json", "", "ünï", "A", "a", "manifest.msgpack"])}
     tree = {"x": v, "ints": {7: v["A"], 10: v["a"]}}
-    ckpt.save(location("c"), tree)
+    ckpt.save(location("c"), tree, options=PER_SHARD)  # every leaf its own Zarr directory
     out = ckpt.restore(location("c"))
     for i, k in enumerate(v):
         assert np.array_equal(out["x"][k], np.full((64, 32), i, np.float32)), k

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ckpt
 import ckpt._manager
 from ckpt._manager import steps_to_delete
-from support import Faults, io_error
+from support import Faults, io_error, plant_dead_save, without_lease
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -158,13 +158,16 @@ def test_retention_skips_a_step_being_restored(location, monkeypatch):
 
 def test_only_process_zero_deletes(location, monkeypatch):
     run = location.storage("run")
-    # What saves that never committed leave: a temporary directory (local disk), or a step's
-    # generation without a manifest (memory://, no renames).
-    run.put("step_00000005.tmp-abc/chunk", b"x").result()
-    leftovers = ["step_00000005.tmp-abc"]
-    if location.kind == "memory":
-        run.put("step_00000006/gen-0123456789ab/w/c/0/0", b"x").result()
-        leftovers.append("step_00000006")
+    # What a save that died leaves, with the owner record of a dead process: a temporary
+    # directory (local disk), or a step's generation without a manifest (memory://, no renames).
+    # The first is removed by the next commit beside it, which is the saving process's (the
+    # coordinator's process 0, here this process); the second by the manager of process 0.
+    if location.kind == "local":
+        plant_dead_save(run, "step_00000005.tmp-0123456789ab")
+        leftovers = []
+    else:
+        plant_dead_save(run, "step_00000006/gen-0123456789ab")
+        leftovers = ["step_00000006"]
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     with ckpt.CheckpointManager(location("run"), max_to_keep=1) as manager:
         for step in (1, 2, 3):
@@ -243,8 +246,10 @@ def test_bad_arguments(location):
 def test_directory_that_is_a_file(tmp_path):
     """POSIX only: object stores have no files that block a directory."""
     (tmp_path / "file").write_text("x")
+    manager = ckpt.CheckpointManager(tmp_path / "file")  # opening reads only
+    assert manager.all_steps() == []
     with pytest.raises(NotADirectoryError):
-        ckpt.CheckpointManager(tmp_path / "file")
+        manager.save(1, _tree(1))
 
 
 def test_metadata_round_trip(location):
@@ -295,7 +300,8 @@ def test_background_failure_surfaces(location, surfaces_on):
     assert manager.all_steps() == [1]
     assert manager.latest_step() == 1
     _assert_step_restores(manager, 1)
-    assert location.snapshot("run") == before  # nothing of step 2 is left behind
+    # Nothing of step 2 is left behind (a lease a manager holds on memory:// is no step's data).
+    assert without_lease(location.snapshot("run")) == without_lease(before)
     faults.clear()
     if surfaces_on != "close":
         # The failure was reported once; the manager goes on, and step 2 may be saved again.
@@ -307,11 +313,12 @@ def test_background_failure_surfaces(location, surfaces_on):
         assert location.names("run") == _step_names([2])
 
 
-def test_leftovers_of_a_failed_save_are_removed_by_the_next_manager(location):
-    """A save whose writes fail and whose cleanup fails too leaves staged data; the next manager
-    (process 0) removes it in the background."""
+def test_leftovers_of_a_failed_save_are_removed_by_the_next_save(location):
+    """A save whose writes fail and whose cleanup fails too leaves staged data; opening the next
+    manager leaves it alone (it reads only), and that manager's first save removes it."""
     faults = Faults()
-    manager = ckpt.CheckpointManager(location("run"), options=faults.options())
+    # (shard by shard, so that step 2 has several chunk files to write)
+    manager = ckpt.CheckpointManager(location("run"), options=faults.options(pack_limit_bytes=0))
     manager.save(1, _tree(1))
     manager.wait()
     _fail_step(faults, 2, after=1)  # one chunk of step 2 is written
@@ -324,9 +331,10 @@ def test_leftovers_of_a_failed_save_are_removed_by_the_next_manager(location):
     assert len(leftover) == 1 and leftover[0].startswith("step_00000002")
     assert manager.all_steps() == [1]
     with ckpt.CheckpointManager(location("run")) as reopened:
-        reopened.wait()
-        assert location.names("run") == _step_names([1])
         _assert_step_restores(reopened, 1)
+        assert location.names("run") == sorted(_step_names([1]) + leftover)
+        reopened.save(3, _tree(3))
+    assert location.names("run") == _step_names([1, 3])
 
 
 def test_context_exit_keeps_the_body_exception(location):
@@ -395,10 +403,10 @@ def test_sigkill_during_save_leaves_previous_step(tmp_path):
     assert manager.all_steps() == [1]
     assert manager.latest_step() == 1
     _assert_step_restores(manager, 1)
-    manager.wait()
-    assert not os.path.exists(leftover)
+    assert os.path.exists(leftover)  # opening and reading change nothing
     assert manager.save(2, _tree(2))
     manager.close()
+    assert not os.path.exists(leftover)  # the save removed it: its owner is dead
     assert manager.all_steps() == [1, 2]
     _assert_step_restores(manager, 2)
 

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import ckpt
-from support import chunk_object, keys, leaf_storage_path
+from support import PER_SHARD, chunk_object, keys, leaf_storage_path
 
 SHAPE = (24, 96)  # divisible by 8, 4, 3 and 2, and above the inline limit
 
@@ -149,7 +149,7 @@ def test_only_needed_chunks_are_read(location):
     mesh = _mesh((4, 2), ("x", "y"))
     value = _value(7)
     path = location("c")
-    ckpt.save(path, {"w": jax.device_put(value, NamedSharding(mesh, P("x", "y")))})
+    ckpt.save(path, {"w": jax.device_put(value, NamedSharding(mesh, P("x", "y")))}, options=PER_SHARD)
     storage = location.storage("c")
     chunk_dir = f"{leaf_storage_path(path, 'w')}/c"
     files = keys(storage, chunk_dir)

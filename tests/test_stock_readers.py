@@ -43,7 +43,8 @@ def _logical(stored: np.ndarray, attrs: dict) -> np.ndarray:
 def test_every_array_opens_with_zarr_python_and_tensorstore(tmp_path):
     sharding = NamedSharding(jax.make_mesh((4, 2), ("x", "y")), P("x", "y"))
     values = {n: _value(n, i) for i, n in enumerate(NAMES)}
-    ckpt.save(tmp_path / "c", {"params": {n: jax.device_put(v, sharding) for n, v in values.items()}})
+    ckpt.save(tmp_path / "c", {"params": {n: jax.device_put(v, sharding) for n, v in values.items()}},
+              options=ckpt.Options(pack_limit_bytes=0))  # shard by shard (stacks: test_small_leaves.py)
 
     group = zarr.open_group(str(tmp_path / "c"), mode="r")
     arrays = dict(group["params"].arrays())

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
 from ckpt.storage import ENGINES, GENERATION_MARK, MANIFEST_NAME, location_text, open_storage
-from support import Faults, Location, committed_generations, io_error, keys, snapshot, storage_of
+from support import Faults, Location, committed_generations, io_error, keys, snapshot, storage_of, without_lease
 
 # ---- the tree: bf16, int8 and float32; sharded over a 4x2 mesh and replicated; a scalar --------
 
@@ -201,7 +201,8 @@ def test_manifest_write_failure_on_memory_commits_nothing(memory, overwrite):
 
 def test_old_data_that_cannot_be_deleted_after_an_overwrite_only_warns(memory):
     """Once the new manifest is in place the save has succeeded: failing to delete the previous
-    generation is a warning, and what is left is data no manifest points to."""
+    generation is a warning (twice: the overwrite's deletion, then its removal of dead leftovers
+    retries it), and what is left is data no manifest points to."""
     mesh = _mesh()
     path = memory("c")
     ckpt.save(path, _tree(mesh))
@@ -210,7 +211,7 @@ def test_old_data_that_cannot_be_deleted_after_an_overwrite_only_warns(memory):
     faults.fail("delete_tree", io_error, when=lambda where, args: where.endswith("/" + old))
     with pytest.warns(RuntimeWarning, match=f"could not be deleted.*{old}"):
         ckpt.save(path, _scaled_tree(mesh, 2), overwrite=True, options=faults.options())
-    assert faults.calls["delete_tree"] == 1
+    assert faults.calls["delete_tree"] == 2
     (new,) = committed_generations(path)
     assert memory.names("c") == sorted([MANIFEST_NAME, new, old])
     out = ckpt.restore(path, mesh=mesh)
@@ -293,7 +294,8 @@ def test_manager_on_memory(memory):
             assert manager.save(step, tree, metadata={"loss": 1.0 / step})
         manager.wait()
         assert manager.all_steps() == [3, 4]
-        assert memory.names("run") == ["step_00000003", "step_00000004"]
+        # (and, while the manager saves, its lease: storage without locks has no other way)
+        assert without_lease(memory.names("run")) == ["step_00000003", "step_00000004"]
         out = manager.restore(mesh=mesh)
         assert np.array_equal(np.asarray(out["w"]), _value("w") * 4)
         assert manager.metadata(3) == {"loss": 1.0 / 3}
@@ -426,7 +428,7 @@ def test_local_engine_serves_only_local_paths():
 def test_wrapper_sees_every_operation_of_a_save_and_restore(memory):
     faults = Faults()
     path = memory("c")
-    ckpt.save(path, _tree(_mesh()), options=faults.options())
+    ckpt.save(path, _tree(_mesh()), options=faults.options(pack_limit_bytes=0))
     assert faults.calls["write_chunk"] >= 8 and faults.calls["stage"] == 1 and faults.calls["commit"] == 1
     _assert_restored(ckpt.restore(path, mesh=_mesh(), options=faults.options()), _mesh())
     assert faults.calls["read_chunk"] >= 3 and faults.calls["get"] >= 1

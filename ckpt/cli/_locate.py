@@ -87,6 +87,10 @@ def open_checkpoint(location: Any, step: int | None = None, options: Options | N
                 raise CheckpointError(f"{storage.url} is a manager directory without a committed step")
             note = f"step {committed[-1].step} (latest committed) of {storage.url}"
             storage = storage.child(committed[-1].name)
+    if not storage.exists(MANIFEST_NAME):
+        from ckpt.cli._orbax import refuse_orbax
+
+        refuse_orbax(storage)  # an Orbax directory: say what it is and what reads it
     return Opened(storage, read_manifest(storage), note)
 
 
@@ -117,14 +121,19 @@ def manifest_size(manifest: Manifest, manifest_bytes: int) -> tuple[int, int]:
         itemsize = _dtypes.dtype_from_name(st.data_type).itemsize
         total += chunks * math.prod(st.chunk_shape) * itemsize
         files += chunks
+    for stack in manifest.stacks:
+        st = stack.zarr
+        chunks = math.prod(chunk_grid(stack.shape, st.chunk_shape))
+        total += chunks * math.prod(st.chunk_shape) * _dtypes.dtype_from_name(st.data_type).itemsize
+        files += chunks
     return total, files
 
 
-def _row(step: int | None, storage: Storage) -> StepRow:
+def _row(step: int | None, storage: Storage, note: str | None = None) -> StepRow:
     usage = storage.du()
     size, files, written = (usage.bytes, usage.files, usage.modified) if usage else (None, None, None)
     sized_by = "storage" if usage else None
-    state, problem = "uncommitted", None
+    state, problem = "uncommitted", note  # note: whose staged data it is (ckpt.cli._clean.notes)
     if not is_temp_name(storage.name) and storage.exists(MANIFEST_NAME):
         try:
             manifest = read_manifest(storage)
@@ -144,12 +153,27 @@ def list_steps(location: Any, options: Options | None = None) -> list[StepRow]:
     storage = _storage(location, options)
     has_manifest = storage.exists(MANIFEST_NAME)
     entries = [] if has_manifest else scan_steps(storage)
-    if entries:
-        return [_row(e.step, storage.child(e.name)) for e in entries]
+    from ckpt.cli._clean import notes
+
+    staged = {} if has_manifest else notes(storage)  # uncommitted entries: a save in progress, or dead
+    if entries or staged:
+        # Every step, and temporary directories of other saves (save_async) beside them.
+        named = {e.name for e in entries}
+        rows = [_row(e.step, storage.child(e.name), staged.get(e.name)) for e in entries]
+        return rows + [_row(None, storage.child(n), why) for n, why in sorted(staged.items()) if n not in named]
     if has_manifest or is_temp_name(storage.name):
         return [_row(parse_step(storage.name.split(TEMP_MARK)[0]), storage)]
+    from ckpt.storage import GENERATION_MARK
+
+    if any(d.startswith(GENERATION_MARK) for d in storage.list_dir("")[1]):
+        # A save to this location (object stores: a generation prefix) that never committed.
+        return [_row(parse_step(storage.name), storage)]
     if _is_file(storage):
         raise _not_a_directory(storage)
+    from ckpt.cli._orbax import orbax_rows
+
+    if (orbax := orbax_rows(storage)) is not None:  # an Orbax directory: its steps (state 'orbax')
+        return orbax
     raise CheckpointError(
         f"{storage.url} is neither a checkpoint (no {MANIFEST_NAME}) nor a manager directory (no step_* entries)"
     )

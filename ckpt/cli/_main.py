@@ -11,9 +11,13 @@ manifest, a chunk that cannot be read), reported as one line on stderr, never a 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
+import re
+import shutil
 import sys
+import textwrap
 from typing import Sequence
 
 from ckpt._errors import CheckpointError
@@ -21,6 +25,9 @@ from ckpt._options import Options
 from ckpt.storage import ENGINES
 
 COMMANDS = ("ls", "inspect", "verify", "diff", "plan", "bench")
+COMMANDS += ("convert",)
+COMMANDS += ("du", "export")
+COMMANDS += ("clean",)
 
 
 class _UsageError(Exception):
@@ -32,7 +39,34 @@ class _Parser(argparse.ArgumentParser):
     other failure gets, so that scripts can rely on one line and exit status 2."""
 
     def error(self, message: str):  # type: ignore[override]
-        raise _UsageError(f"{message} (see '{self.prog} --help')")
+        raise _UsageError(f"{_did_you_mean(message)} (see '{self.prog} --help')")
+
+
+def _did_you_mean(message: str) -> str:
+    """argparse's "invalid choice: 'verfy' (choose from ...)" with the closest choice offered."""
+    m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if m is None:
+        return message
+    close = difflib.get_close_matches(m.group(1), re.findall(r"'([^']*)'", m.group(2)), n=1, cutoff=0.6)
+    return f"{message}; did you mean {close[0]!r}?" if close else message
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Help wrapped to the terminal (at most 100 columns), paragraph by paragraph; a paragraph
+    that starts with 'example' or holds indented lines is kept as written."""
+
+    def __init__(self, prog: str):
+        width = max(40, min(shutil.get_terminal_size((100, 24)).columns, 100))
+        super().__init__(prog, width=width, max_help_position=28)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out = []
+        for para in text.split("\n\n"):
+            if para.startswith("example") or "\n " in para:
+                out.append(textwrap.indent(para, indent))
+            else:
+                out.append(textwrap.fill(" ".join(para.split()), width, initial_indent=indent, subsequent_indent=indent))
+        return "\n\n".join(out)
 
 
 def _step(text: str) -> int:
@@ -83,6 +117,10 @@ def _cmd_ls(args) -> int:
     rows = list_steps(args.path, _options(args))
     if args.json:
         _print_json(ls_document(rows))
+    elif (con := _terminal()) is not None:
+        from ckpt.cli._views import rich_ls
+
+        con.print(rich_ls(rows))
     else:
         print(render_ls(rows))
     return 0
@@ -91,43 +129,49 @@ def _cmd_ls(args) -> int:
 def _cmd_inspect(args) -> int:
     from ckpt.cli._render import inspect_document, render_inspect
 
+    from ckpt.cli._orbax import inspect_orbax  # an Orbax checkpoint: shown as it is
+
+    if (status := inspect_orbax(args.path, args.step, _options(args), args.json)) is not None:
+        return status
     opened = _open(args, args.path, args.step)
     doc = inspect_document(opened)
     if args.json:
         _print_json(doc)
+    elif (con := _terminal()) is not None:
+        from ckpt.cli._views import rich_inspect
+
+        con.print(rich_inspect(doc, opened.manifest))
     else:
         print(render_inspect(doc, opened.manifest))
     return 0
 
 
 def _cmd_verify(args) -> int:
-    from ckpt.cli._render import human_bytes
-    from ckpt.cli._verify import ProgressBar, verify_checkpoint
+    from ckpt.cli._commands import cmd_verify
 
-    opened = _open(args, args.path, args.step)
-    show = sys.stderr.isatty() and not args.no_progress
-    bar = ProgressBar(sys.stderr) if show else None
-    try:
-        report = verify_checkpoint(opened.storage, opened.manifest, bar)
-    finally:
-        if bar is not None:
-            bar.close()
-    rate = report.bytes / report.seconds if report.seconds > 0 else 0.0
-    print(f"verified {opened.root}")
-    print(
-        f"read {report.chunks} chunks of {report.arrays} arrays ({human_bytes(report.bytes)}) and checked "
-        f"{report.inline_arrays} inline arrays in {report.seconds:.2f} s ({human_bytes(rate)}/s)"
-    )
-    for problem in report.problems:
-        print(f"BAD {problem}")
-    if report.intact:
-        print("result: intact, every chunk matches its checksum")
-        return 0
-    bad_chunks = sum(p.chunk is not None for p in report.problems)
-    bad_arrays = len({p.leaf for p in report.problems})
-    print(f"result: DAMAGED, {bad_chunks} bad chunk(s) and {len(report.problems) - bad_chunks} bad array "
-          f"metadata file(s) in {bad_arrays} array(s)")
-    return 1
+    return cmd_verify(args, _options(args), lambda location, step: _open(args, location, step))
+
+
+def _cmd_du(args) -> int:
+    from ckpt.cli._commands import cmd_du
+
+    return cmd_du(args, _open(args, args.path, args.step))
+
+
+def _cmd_export(args) -> int:
+    from ckpt.cli._commands import cmd_export
+
+    from ckpt.cli._locate import open_checkpoint
+
+    # No "using step N" note: the result names the step, and an error stays one line.
+    return cmd_export(args, lambda: open_checkpoint(args.path, args.step, _options(args)), _options(args))
+
+
+def _terminal():
+    """A rich console when stdout is a terminal (tables and colours), else None (plain text)."""
+    from ckpt.cli._style import console
+
+    return console()
 
 
 def _cmd_diff(args) -> int:
@@ -137,6 +181,10 @@ def _cmd_diff(args) -> int:
     report = diff_checkpoints(a, b, args.block_bytes, _options(args))
     if args.json:
         _print_json(diff_document(report))
+    elif (con := _terminal()) is not None:
+        from ckpt.cli._views import colour_lines
+
+        con.print(colour_lines(render_diff(report)))
     else:
         print(render_diff(report))
     return 0 if report.identical else 1
@@ -156,6 +204,10 @@ def _cmd_plan(args) -> int:
         raise _UsageError(str(e)) from None
     if args.json:
         _print_json(dry_run_document(run, opened.root))
+    elif (con := _terminal()) is not None:
+        from ckpt.cli._views import rich_plan
+
+        con.print(rich_plan(dry_run_document(run, opened.root), args.per_leaf))
     else:
         print(render_dry_run(run, opened.root, args.per_leaf))
     return 1 if run.unplaceable else 0
@@ -176,10 +228,12 @@ def _parser() -> argparse.ArgumentParser:
 
     p = _Parser(
         prog="ckpt",
-        description="Look inside jax-ckpt checkpoints: list steps, show what is saved, check integrity, "
-        "compare two checkpoints, and plan a restore on another mesh. Run 'ckpt CMD --help' for one command.",
+        description="Look inside jax-ckpt checkpoints: list steps, show what is saved and what takes the "
+        "bytes, check integrity, compare two checkpoints, plan a restore on another mesh, and export to "
+        "safetensors. Run 'ckpt CMD --help' for one command.",
         epilog="Exit status: 0 success; 1 verify found damage, diff found differences, or plan found leaves "
         "it cannot place; 2 an error (printed as one line on stderr).",
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"ckpt (jax-ckpt) {__version__}")
     sub = p.add_subparsers(dest="command", metavar="CMD")
@@ -187,8 +241,7 @@ def _parser() -> argparse.ArgumentParser:
                    "memory://, s3://, gs://, fsspec for other URLs)")
 
     def command(name: str, summary: str, description: str, *, location: bool = True) -> argparse.ArgumentParser:
-        c = sub.add_parser(name, help=summary, description=description,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        c = sub.add_parser(name, help=summary, description=description, formatter_class=_HelpFormatter)
         if location:
             c.add_argument("--engine", choices=ENGINES, help=engine_help)
         return c
@@ -220,11 +273,48 @@ def _parser() -> argparse.ArgumentParser:
                 "Read every chunk file of every array and check its size and CRC-32C against the manifest, "
                 "and each array's zarr.json against the manifest. Continues past a bad chunk so that every "
                 "bad chunk is named. Exit status 0 only when everything is intact, 1 when anything is "
-                "damaged. On a terminal, shows a progress bar with bytes per second on stderr.")
+                "damaged. On a terminal, shows a progress bar with bytes per second on stderr. With --all, "
+                "checks every committed step of a manager directory under one progress bar (a step whose "
+                "manifest cannot be read counts as damaged; uncommitted steps are listed, not checked).")
     c.add_argument("path", metavar="PATH", help=f"checkpoint or manager directory ({where})")
     c.add_argument("--step", type=_step, metavar="N", help=step_help)
     c.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
+    from ckpt.cli._commands import add_du_arguments, add_export_arguments, add_verify_arguments
+
+    add_verify_arguments(c)
     c.set_defaults(run=_cmd_verify)
+
+    c = command("du", "bytes per subtree: what the checkpoint is made of",
+                "Show how the checkpoint's bytes split over its top-level subtrees (or the first N key-path "
+                "components with --depth N), largest first, from the manifest alone: bytes stored (chunk "
+                "files, edge chunks padded, plus data inline in the manifest), number of arrays and the share "
+                "of the whole.")
+    c.add_argument("path", metavar="PATH", help=f"checkpoint or manager directory ({where})")
+    add_du_arguments(c, _step, step_help)
+    c.set_defaults(run=_cmd_du)
+
+    c = command("export", "write the arrays as Hugging Face safetensors files",
+                "Write every array of the checkpoint as safetensors files in OUT: model.safetensors, or "
+                "model-0000K-of-0000N.safetensors plus model.safetensors.index.json when the data is larger "
+                "than --shard-size, as transformers' save_pretrained writes them. Tensor names are the key "
+                "paths joined with '.' (params/dense/kernel -> params.dense.kernel), then renamed by "
+                "--rename-file and --rename. Dtypes are kept (bfloat16 as BF16, float8_e4m3fn as F8_E4M3, "
+                "float8_e5m2 as F8_E5M2); numbers, strings and PRNG keys are not tensors and are listed as "
+                "not exported. Chunks are read (and checked against their CRC-32C) block by block within "
+                "the host budget and written in place, so memory stays bounded whatever the size. "
+                "ckpt.restore reads the result back, with or without a mesh.\n\n"
+                "example: ckpt export /ckpts/run1 hf --rename '^params\\.=model.'")
+    c.add_argument("path", metavar="PATH", help=f"checkpoint or manager directory ({where})")
+    add_export_arguments(c, _step, step_help, _size)
+    c.set_defaults(run=_cmd_export)
+
+    from ckpt.cli._convert import add_convert_command
+
+    add_convert_command(command, _step)
+
+    from ckpt.cli._clean import add_clean_command
+
+    add_clean_command(command, _options)
 
     c = command("diff", "compare two checkpoints, values included",
                 "Compare two checkpoints: key paths only in A or only in B, changes of kind, shape or dtype, "

@@ -96,6 +96,7 @@ def dry_run_restore(manifest: Manifest, names: tuple[str, ...], sizes: tuple[int
         raise ValueError(f"a mesh of {devices} devices cannot be split evenly over {processes} processes")
     per = devices // processes
     run = DryRun(names, sizes, processes, [ReadTotals() for _ in range(processes)])
+    stack_chunks_read: set[tuple[int, int, int]] = set()  # (process, stack, chunk): each read once
     for i, rec in enumerate(manifest.leaves):
         if rec.kind not in ARRAY_KINDS:
             continue
@@ -115,6 +116,18 @@ def dry_run_restore(manifest: Manifest, names: tuple[str, ...], sizes: tuple[int
             else:
                 boxes = [boxes_by_position[c] for c in positions[p * per:(p + 1) * per]]
             plan = plan_leaf_read(i, rec.shape, chunk_shape, itemsize, boxes)
+            if rec.stacked is not None:
+                # As restore counts: a process reads the stack chunk holding the leaf once, for
+                # all the members it needs from it; the leaf itself is its own bytes of it.
+                stack = rec.stacked.array
+                per_chunk = stack.zarr.chunk_shape[0]
+                chunk = rec.stacked.index // per_chunk
+                first = (p, rec.stacked.stack, chunk) not in stack_chunks_read
+                stack_chunks_read.add((p, rec.stacked.stack, chunk))
+                rows = min(per_chunk, stack.shape[0] - chunk * per_chunk)
+                run.per_process[p].add(rows * stack.member_bytes if first else 0, plan.bytes_needed, int(first), 0)
+                leaf.add(stack.member_bytes, plan.bytes_needed, 0, 0)
+                continue
             # As restore counts: inline data is needed but never read from storage.
             read, chunks, inline = (plan.bytes_read, len(plan.chunks), 0) if zarr else (0, 0, plan.bytes_needed)
             run.per_process[p].add(read, plan.bytes_needed, chunks, inline)

@@ -74,8 +74,8 @@ def leaf_info(rec: LeafRecord) -> dict:
         "kind": rec.kind,
         "shape": list(md.shape),
         "dtype": str(md.dtype),
-        "storage": "zarr" if zarr else "inline",
-        "storage_path": zarr.path if zarr else None,
+        "storage": "zarr" if zarr else "stacked" if rec.stacked else "inline",
+        "storage_path": md.storage_path if zarr or rec.stacked else None,
         "chunk_shape": list(md.chunk_shape) if zarr else None,
         "chunks": math.prod(chunk_grid(rec.shape, zarr.chunk_shape)) if zarr else 0,
         "nbytes": md.nbytes,
@@ -99,6 +99,8 @@ def inspect_document(opened: Opened) -> dict:
     leaves = [leaf_info(r) for r in m.leaves]
     arrays = [l for l in leaves if "nbytes" in l]
     zarr = [l for l in arrays if l["storage"] == "zarr"]
+    stacked = [l for l in arrays if l["storage"] == "stacked"]
+    stack_chunks = sum(math.prod(chunk_grid(s.shape, s.zarr.chunk_shape)) for s in m.stacks)
     return {
         "path": opened.root,
         "format": FORMAT_NAME,
@@ -111,10 +113,12 @@ def inspect_document(opened: Opened) -> dict:
             "leaves": len(leaves),
             "arrays": len(arrays),
             "zarr_arrays": len(zarr),
-            "inline_arrays": len(arrays) - len(zarr),
-            "chunks": sum(l["chunks"] for l in zarr),
+            "stacked_arrays": len(stacked),
+            "stacks": len(m.stacks),
+            "inline_arrays": len(arrays) - len(zarr) - len(stacked),
+            "chunks": sum(l["chunks"] for l in zarr) + stack_chunks,
             "bytes": sum(l["nbytes"] for l in arrays),
-            "zarr_bytes": sum(l["nbytes"] for l in zarr),
+            "zarr_bytes": sum(l["nbytes"] for l in zarr + stacked),
             "inline_bytes": sum(l["nbytes"] for l in arrays if l["storage"] == "inline"),
         },
     }
@@ -151,9 +155,12 @@ def _value_text(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def render_inspect(doc: dict, manifest: Manifest) -> str:
-    """The inspect document as a table in tree order (the manifest gives the tree)."""
-    header = ["NAME", "DTYPE", "SHAPE", "MESH", "SPEC", "CHUNK", "CHUNKS", "BYTES", "STORAGE"]
+INSPECT_HEADER = ["NAME", "DTYPE", "SHAPE", "MESH", "SPEC", "CHUNK", "CHUNKS", "BYTES", "STORAGE"]
+
+
+def inspect_rows(doc: dict, manifest: Manifest) -> list[list[str] | str]:
+    """The rows of the inspect table in tree order: a list of cells per array, [name, kind,
+    '= value'] per value leaf, and the name alone (a str) per inner node."""
     rows: list[list[str] | str] = []
     for depth, label, index in _tree_lines(manifest.tree):
         name = "  " * depth + label
@@ -172,15 +179,15 @@ def render_inspect(doc: dict, manifest: Manifest) -> str:
         rows.append([
             name, leaf["dtype"], _shape_text(leaf["shape"]), mesh_text, spec,
             _shape_text(leaf["chunk_shape"]) if zarr else "-", str(leaf["chunks"]) if zarr else "-",
-            human_bytes(leaf["nbytes"]), f"zarr {leaf['storage_path']}" if zarr else "inline",
+            human_bytes(leaf["nbytes"]),
+            f"zarr {leaf['storage_path']}" if zarr else f"stacked {leaf['storage_path']}"
+            if leaf["storage"] == "stacked" else "inline",
         ])
-    table = [header] + [r for r in rows if isinstance(r, list) and len(r) == len(header)]
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    return rows
 
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
 
-    t = doc["totals"]
+def inspect_title(doc: dict) -> list[str]:
+    """The lines above the inspect table."""
     out = [
         f"checkpoint {doc['path']}",
         f"format {doc['format']} v{doc['format_version']}, written by jax-ckpt {doc['library_version'] or '?'} "
@@ -188,7 +195,28 @@ def render_inspect(doc: dict, manifest: Manifest) -> str:
     ]
     if doc["user_metadata"]:
         out.append(f"user_metadata: {_value_text(doc['user_metadata'])}")
-    out += ["", line(header)]
+    return out
+
+
+def inspect_total(doc: dict) -> str:
+    t = doc["totals"]
+    stacked = f"{t['stacked_arrays']} in {t['stacks']} stacks, " if t.get("stacks") else ""
+    return (f"total: {t['leaves']} leaves, {t['arrays']} arrays ({t['zarr_arrays']} zarr, {stacked}{t['inline_arrays']} "
+            f"inline), {t['chunks']} chunks, {human_bytes(t['bytes'])} of array data "
+            f"({human_bytes(t['zarr_bytes'])} in chunks, {human_bytes(t['inline_bytes'])} inline)")
+
+
+def render_inspect(doc: dict, manifest: Manifest) -> str:
+    """The inspect document as a table in tree order (the manifest gives the tree)."""
+    header = INSPECT_HEADER
+    rows = inspect_rows(doc, manifest)
+    table = [header] + [r for r in rows if isinstance(r, list) and len(r) == len(header)]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    out = inspect_title(doc) + ["", line(header)]
     for r in rows:
         if isinstance(r, str):
             out.append(r)
@@ -196,12 +224,7 @@ def render_inspect(doc: dict, manifest: Manifest) -> str:
             out.append(line(r))
         else:
             out.append(f"{r[0].ljust(widths[0])}  {r[1]} {r[2]}")
-    out += [
-        "",
-        f"total: {t['leaves']} leaves, {t['arrays']} arrays ({t['zarr_arrays']} zarr, {t['inline_arrays']} inline), "
-        f"{t['chunks']} chunks, {human_bytes(t['bytes'])} of array data "
-        f"({human_bytes(t['zarr_bytes'])} in chunks, {human_bytes(t['inline_bytes'])} inline)",
-    ]
+    out += ["", inspect_total(doc)]
     return "\n".join(out)
 
 
@@ -219,7 +242,21 @@ def ls_document(rows: list[StepRow]) -> list[dict]:
 def render_ls(rows: list[StepRow]) -> str:
     """The steps as a table; '-' for what the storage cannot tell, '~' before sizes taken from
     the manifest (chunk files and manifest, not every small file)."""
-    table = [["STEP", "STATE", "SIZE", "FILES", "WRITTEN", "PATH"]]
+    table = [LS_HEADER] + ls_rows(rows)
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    right = {0, 2, 3}
+    return "\n".join(
+        "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+        for row in table
+    )
+
+
+LS_HEADER = ["STEP", "STATE", "SIZE", "FILES", "WRITTEN", "PATH"]
+
+
+def ls_rows(rows: list[StepRow]) -> list[list[str]]:
+    """The cells of each `ls` line."""
+    table = []
     for r in rows:
         approx = "~" if r.sized_by == "manifest" else ""
         table.append([
@@ -227,9 +264,4 @@ def render_ls(rows: list[StepRow]) -> str:
             "-" if r.size is None else approx + human_bytes(r.size), "-" if r.files is None else approx + str(r.files),
             "-" if r.written is None else local_time(r.written), r.path + (f"  ({r.problem})" if r.problem else ""),
         ])
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    right = {0, 2, 3}
-    return "\n".join(
-        "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
-        for row in table
-    )
+    return table

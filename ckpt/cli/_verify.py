@@ -12,11 +12,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Callable, TextIO
+from typing import Callable
 
 import crc32c
 import numpy as np
@@ -77,11 +76,25 @@ class _ChunkTask:
         return math.prod(self.chunk_shape) * self.dtype.itemsize
 
 
-def _array_metadata_problem(storage: Storage, array: str, st: ZarrStorage, shape: list[int]) -> tuple[str | None, bool]:
-    """(why the array's zarr.json does not describe the layout the manifest records or None,
-    whether its chunk files can still be checked as the manifest lays them out)."""
+def _metadata_crc_problem(raw: bytes, crc: int | None) -> str | None:
+    """Why a zarr.json's bytes are not those the manifest recorded (None when they are, or when
+    the manifest predates recording them)."""
+    if crc is None:
+        return None
+    got = crc32c.crc32c(raw)
+    if got != crc:
+        return f"zarr.json was changed after the save: its crc32c is {got:#010x}, the manifest records {crc:#010x}"
+    return None
+
+
+def _array_metadata_problem(storage: Storage, array: str, st: ZarrStorage, shape: list[int],
+                            crc: int | None = None) -> tuple[str | None, bool]:
+    """(why the array's zarr.json does not describe the layout the manifest records, or differs
+    from the bytes whose CRC-32C the manifest records (`crc`), or None; whether its chunk files
+    can still be checked as the manifest lays them out)."""
     try:
-        meta = json.loads(storage.get(f"{array}/zarr.json", max_bytes=ZARR_JSON_LIMIT))
+        raw = storage.get(f"{array}/zarr.json", max_bytes=ZARR_JSON_LIMIT)
+        meta = json.loads(raw)
     except FileNotFoundError:
         return "zarr.json is missing", True
     except (OSError, CheckpointError, ValueError) as e:
@@ -110,7 +123,25 @@ def _array_metadata_problem(storage: Storage, array: str, st: ZarrStorage, shape
     for ok, why, chunks_readable in checks:
         if not ok:
             return why, chunks_readable
-    return None, True
+    return _metadata_crc_problem(raw, crc), True
+
+
+def _group_metadata_problems(storage: Storage, manifest: Manifest, arrays: set[str]) -> list[Problem]:
+    """Every group zarr.json the manifest records a CRC-32C for, read and checked."""
+    problems = []
+    for key, crc in sorted((manifest.zarr_json or {}).items()):
+        if key in arrays:
+            continue
+        group = key[: -len("zarr.json")].rstrip("/")
+        try:
+            why = _metadata_crc_problem(storage.get(key, max_bytes=ZARR_JSON_LIMIT), crc)
+        except FileNotFoundError:
+            why = "zarr.json is missing"
+        except (OSError, CheckpointError) as e:
+            why = f"zarr.json is unreadable ({_without(str(e), storage.where(key))})"
+        if why is not None:
+            problems.append(Problem(f"<group {group or '/'}>", None, storage.where(key), why))
+    return problems
 
 
 def _without(text: str, where: str) -> str:
@@ -146,12 +177,16 @@ def _tasks(storage: Storage, manifest: Manifest, report: VerifyReport) -> list[_
         if rec.kind not in ARRAY_KINDS:
             continue
         st = rec.zarr
+        if rec.stacked is not None:
+            report.arrays += 1  # its stack's chunks are checked below
+            continue
         if st is None:
             report.inline_arrays += 1  # its length was checked with the manifest
             continue
         report.arrays += 1
         array = st.path
-        why, chunks_readable = _array_metadata_problem(storage, array, st, list(rec.shape))
+        why, chunks_readable = _array_metadata_problem(storage, array, st, list(rec.shape),
+                                                       (manifest.zarr_json or {}).get(f"{array}/zarr.json"))
         if why is not None:
             report.problems.append(Problem(rec.path, None, storage.where(f"{array}/zarr.json"), why))
         if not chunks_readable:
@@ -164,70 +199,85 @@ def _tasks(storage: Storage, manifest: Manifest, report: VerifyReport) -> list[_
                 (i, flat), rec.path, tuple(index), array, storage.where(f"{array}/{chunk_key(index)}"), chunk_shape,
                 box_shape(chunk_box(index, chunk_shape, rec.shape)), dtype, st.chunk_checksums[flat],
             ))
+    members: dict[int, list[str]] = {}
+    for rec in manifest.leaves:
+        if rec.stacked is not None:
+            members.setdefault(rec.stacked.stack, []).append(rec.path)
+    for s, stack in enumerate(manifest.stacks):
+        st, names = stack.zarr, members.get(s, [])
+        name = f"stack {s} ({len(names)} leaves: {names[0]} ... {names[-1]})" if names else f"stack {s}"
+        why, chunks_readable = _array_metadata_problem(storage, st.path, st, list(stack.shape),
+                                                       (manifest.zarr_json or {}).get(f"{st.path}/zarr.json"))
+        if why is not None:
+            report.problems.append(Problem(name, None, storage.where(f"{st.path}/zarr.json"), why))
+        if not chunks_readable:
+            continue
+        dtype = np.dtype(st.data_type).newbyteorder("<")
+        for flat, index in enumerate(np.ndindex(*chunk_grid(stack.shape, st.chunk_shape))):
+            tasks.append(_ChunkTask(
+                (len(manifest.leaves) + s, flat), name, tuple(index), st.path, storage.where(f"{st.path}/{chunk_key(index)}"),
+                st.chunk_shape, box_shape(chunk_box(index, st.chunk_shape, stack.shape)), dtype, st.chunk_checksums[flat],
+            ))
+    arrays = {f"{l.zarr.path}/zarr.json" for l in manifest.leaves if l.zarr is not None}
+    arrays |= {f"{stack.zarr.path}/zarr.json" for stack in manifest.stacks}
+    report.problems += _group_metadata_problems(storage, manifest, arrays)
     return tasks
+
+
+def verify_checkpoints(checkpoints: list[tuple[Storage, Manifest]],
+                       progress: Callable[[int, int], None] | None = None) -> list[VerifyReport]:
+    """Check every chunk of every array of each checkpoint (one report each), all chunks on one
+    pool; `progress(done_bytes, total_bytes)` is called as chunks finish, over all of them."""
+    start = time.perf_counter()
+    reports = [VerifyReport() for _ in checkpoints]
+    tasks = [(k, t) for k, (storage, manifest) in enumerate(checkpoints)
+             for t in _tasks(storage, manifest, reports[k])]
+    total = sum(t.file_bytes for _, t in tasks)
+    done = 0
+    found: list[tuple[int, tuple[int, int], Problem]] = []
+    if progress is not None:
+        progress(0, total)
+    with ThreadPoolExecutor(WORKERS, thread_name_prefix="ckpt-verify") as pool:
+        pending: dict = {}
+        queue = iter(tasks)
+        while True:
+            while len(pending) < WORKERS and (item := next(queue, None)) is not None:
+                k, task = item
+                pending[pool.submit(_check_chunk, checkpoints[k][0], task)] = item
+            if not pending:
+                break
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                k, task = pending.pop(fut)
+                why = fut.result()
+                if why is not None:
+                    found.append((k, task.order, Problem(task.leaf, task.index, task.file, why)))
+                reports[k].bytes += task.file_bytes
+                reports[k].chunks += 1
+                done += task.file_bytes
+            if progress is not None:
+                progress(done, total)
+    for k, _, problem in sorted(found, key=lambda x: (x[0], x[1])):
+        reports[k].problems.append(problem)
+    seconds = time.perf_counter() - start
+    for r in reports:
+        r.seconds = seconds
+    return reports
 
 
 def verify_checkpoint(storage: Storage, manifest: Manifest,
                       progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Check every chunk of every array of the checkpoint at `storage`; `progress(done_bytes,
     total_bytes)` is called as chunks finish."""
-    start = time.perf_counter()
-    report = VerifyReport()
-    tasks = _tasks(storage, manifest, report)
-    total = sum(t.file_bytes for t in tasks)
-    done = 0
-    found: list[tuple[tuple[int, int], Problem]] = []
-    with ThreadPoolExecutor(WORKERS, thread_name_prefix="ckpt-verify") as pool:
-        pending: dict = {}
-        queue = iter(tasks)
-        while True:
-            while len(pending) < WORKERS and (task := next(queue, None)) is not None:
-                pending[pool.submit(_check_chunk, storage, task)] = task
-            if not pending:
-                break
-            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in finished:
-                task = pending.pop(fut)
-                why = fut.result()
-                if why is not None:
-                    found.append((task.order, Problem(task.leaf, task.index, task.file, why)))
-                report.bytes += task.file_bytes
-                report.chunks += 1
-                done += task.file_bytes
-            if progress is not None:
-                progress(done, total)
-    report.problems += [p for _, p in sorted(found, key=lambda x: x[0])]
-    report.seconds = time.perf_counter() - start
-    return report
+    return verify_checkpoints([(storage, manifest)], progress)[0]
 
 
-class ProgressBar:
-    """One self-rewriting line on a terminal: percentage, bytes done and bytes per second."""
+def verify_document(report: VerifyReport, path: str) -> dict:
+    """What `verify --json` prints for one checkpoint."""
+    return {
+        "path": path, "intact": report.intact, "arrays": report.arrays, "inline_arrays": report.inline_arrays,
+        "chunks": report.chunks, "bytes": report.bytes, "seconds": report.seconds,
+        "problems": [{"leaf": p.leaf, "chunk": None if p.chunk is None else list(p.chunk), "file": p.file,
+                      "what": p.what} for p in report.problems],
+    }
 
-    def __init__(self, stream: TextIO = sys.stderr, label: str = "verify", min_interval: float = 0.1):
-        self.stream, self.label, self.min_interval = stream, label, min_interval
-        self.start = time.perf_counter()
-        self.last = 0.0
-        self.shown = False
-
-    def __call__(self, done: int, total: int) -> None:
-        from ckpt.cli._render import human_bytes
-
-        now = time.perf_counter()
-        if now - self.last < self.min_interval and done < total:
-            return
-        self.last = now
-        frac = done / total if total else 1.0
-        rate = done / max(now - self.start, 1e-9)
-        bar = "#" * int(frac * 30)
-        self.stream.write(
-            f"\r{self.label} [{bar:<30}] {frac:4.0%}  {human_bytes(done)} / {human_bytes(total)}  "
-            f"{human_bytes(rate)}/s "
-        )
-        self.stream.flush()
-        self.shown = True
-
-    def close(self) -> None:
-        if self.shown:
-            self.stream.write("\n")
-            self.stream.flush()

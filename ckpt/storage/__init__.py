@@ -7,12 +7,13 @@ gcs, file) or ``fsspec`` (zarr-python's FsspecStore over any fsspec file system)
 """
 
 from ckpt.storage._base import (
-    GENERATION_MARK, MANIFEST_NAME, TEMP_MARK, ArraySpec, Staged, Storage, aligned_empty, is_temp_name,
+    GENERATION_MARK, MANIFEST_NAME, TEMP_MARK, ArraySpec, Leftover, NotDurableError, Staged, Storage, aligned_empty,
+    is_temp_name,
 )
 from ckpt.storage._location import ENGINES, default_engine, location_text, open_storage
 from ckpt.storage._wrapper import WrapperStorage
 
 __all__ = [
-    "ENGINES", "GENERATION_MARK", "MANIFEST_NAME", "TEMP_MARK", "ArraySpec", "Staged", "Storage", "WrapperStorage",
-    "aligned_empty", "default_engine", "is_temp_name", "location_text", "open_storage",
+    "ENGINES", "GENERATION_MARK", "MANIFEST_NAME", "TEMP_MARK", "ArraySpec", "Leftover", "NotDurableError", "Staged",
+    "Storage", "WrapperStorage", "aligned_empty", "default_engine", "is_temp_name", "location_text", "open_storage",
 ]

@@ -17,10 +17,23 @@ lives here, once, for every backend:
 
 Every error an engine raises reaches callers as ``OSError`` (``FileNotFoundError`` for a missing
 object, ``PermissionError``, ``ENOSPC``, ``EIO``...) or ``CheckpointError``, naming the object.
+
+Reads are confined, on every engine: a key is a validated relative path inside the location
+(``check_key``); only plain objects are read (on file systems: a regular file reached without
+following a symbolic link; a link, directory, FIFO or device is a ``CheckpointError``); and no
+read returns more bytes than the caller says the object should hold (``get``'s `max_bytes`,
+``read_exact``'s `nbytes`), so a damaged or hostile checkpoint cannot make a reader leave it,
+block, or allocate more than its files hold.
+
+Saves in progress are never disturbed by anyone else: each staged directory or generation
+carries an owner record (``OWNER_NAME``: host, boot, process) and, on local disk, a lock its
+saving process holds; ``leftovers`` tells dead staged data (its owner provably gone) from a save
+in progress, and only dead leftovers are ever removed (by the next save, or ``ckpt clean``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import secrets
@@ -33,6 +46,11 @@ import numpy as np
 
 from ckpt._errors import CheckpointError
 from ckpt._layout import Box, box_shape, chunk_key
+from ckpt.storage._confine import check_key, check_local_key, file_kind  # noqa: F401  (engines import them here)
+from ckpt.storage._owners import (  # noqa: F401  (and these)
+    _GENERATION, _OWN_TEMP, FOREIGN_OWNER_TTL_S, OWNER_LIMIT_BYTES, OWNER_NAME, UNOWNED_GRACE_S, Leftover, LiveMark,
+    SaveLock, _boot_id, _Lease, owner_bytes, owner_gone, owner_record, owner_text, parse_owner,
+)
 
 MANIFEST_NAME = "manifest.msgpack"
 TEMP_MARK = ".tmp-"
@@ -42,6 +60,13 @@ GROUP_METADATA = b'{"zarr_format": 3, "node_type": "group", "attributes": {}}'
 
 def is_temp_name(name: str) -> bool:
     return TEMP_MARK in name
+
+
+class NotDurableError(CheckpointError):
+    """The checkpoint WAS committed (it is in place and readable), but making the commit durable
+    failed (an fsync after the rename): a crash now could still lose it."""
+
+    committed = True
 
 
 class Usage(NamedTuple):
@@ -83,12 +108,33 @@ def zarr_metadata(spec: ArraySpec) -> dict:
     }
 
 
+def array_metadata_bytes(spec: ArraySpec) -> bytes:
+    """The bytes of the array's zarr.json, as ``Storage.create_array`` writes them (the manifest
+    records their CRC-32C)."""
+    return json.dumps(zarr_metadata(spec)).encode()
+
+
 def aligned_empty(nbytes: int, alignment: int = 64) -> np.ndarray:
     """An uninitialised uint8 buffer whose data starts on an `alignment`-byte boundary
     (XLA's CPU client adopts such host buffers without copying them)."""
     raw = np.empty(nbytes + alignment, np.uint8)
     offset = -raw.ctypes.data % alignment
     return raw[offset : offset + nbytes]
+
+
+# Objects larger than this are read in pieces of this size, so that an engine's own buffers stay
+# bounded and only the caller's buffer holds a whole object (allocated first, where a failure is
+# an error rather than an abort inside a C++ library).
+READ_PIECE = 64 << 20
+
+
+def read_buffer(nbytes: int, where: str) -> np.ndarray:
+    """A 64-byte-aligned buffer for an object of `nbytes`; CheckpointError naming it when there
+    is not enough memory (a hostile checkpoint may claim anything its files hold)."""
+    try:
+        return aligned_empty(nbytes)
+    except MemoryError:
+        raise CheckpointError(f"{where}: not enough memory for its {nbytes} bytes") from None
 
 
 def chunk_bytes(data: np.ndarray, box: Box, chunk_shape: tuple[int, ...]) -> np.ndarray:
@@ -106,6 +152,11 @@ def size_mismatch(where: str, got: int, want: int) -> CheckpointError:
     if got < want:
         return CheckpointError(f"{where} is truncated: {got} of {want} bytes")
     return CheckpointError(f"{where} holds {got} bytes, more than the {want} expected")
+
+
+def too_large(where: str, limit: int) -> CheckpointError:
+    """The error for an object larger than it may be, found without reading all of it."""
+    return CheckpointError(f"{where} holds more than the {limit} bytes expected")
 
 
 class Done:
@@ -138,6 +189,12 @@ class Staged:
     storage: "Storage"
     prefix: str
     info: dict
+    # The primary's hold on the staged place (released by commit or abort), None elsewhere.
+    lock: Any = field(default=None, compare=False, repr=False)
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
 
 class Storage(ABC):
@@ -181,15 +238,31 @@ class Storage(ABC):
 
     # ---- bytes -------------------------------------------------------------------------
 
+    @property
+    def resolved_name(self) -> str:
+        """The name of what the location really is (on file systems: after following a link to
+        it), for the rule that no ``.tmp-`` directory is ever read as a checkpoint."""
+        return self.name
+
     @abstractmethod
     def get(self, key: str, *, max_bytes: int) -> bytes:
         """The object's bytes. FileNotFoundError when missing; CheckpointError when it holds more
-        than `max_bytes` (nothing larger is ever read)."""
+        than `max_bytes` (nothing larger is ever read) or is not a plain object (module
+        docstring: confined reads)."""
 
     @abstractmethod
     def read_exact(self, key: str, nbytes: int) -> np.ndarray:
         """The object's bytes into a fresh 64-byte-aligned uint8 buffer. FileNotFoundError when
-        missing; CheckpointError naming the object when it does not hold exactly `nbytes`."""
+        missing; CheckpointError naming the object when it does not hold exactly `nbytes` (no
+        more than `nbytes` is ever read, nor allocated before the size is known to fit) or is not
+        a plain object."""
+
+    def pin(self) -> contextlib.AbstractContextManager["Storage"]:
+        """A context whose storage keeps reading what is at this location now, even if the
+        location is replaced meanwhile (an overwrite): a reader never mixes two checkpoints.
+        Generations are never rewritten, so by default that is this storage itself; the local
+        engine reads through the directory it opened."""
+        return contextlib.nullcontext(self)
 
     @abstractmethod
     def put(self, key: str, data: bytes) -> Any:
@@ -226,11 +299,27 @@ class Storage(ABC):
     def delete_tree(self, prefix: str = "") -> None:
         """Delete everything at or below `prefix` (this whole location for '')."""
 
+    def sync(self, key: str = "") -> None:
+        """Make the directory `key` and its entries durable (fsync). A no-op where objects are
+        durable once written."""
+
+    def stat_many(self, keys: Iterable[str]) -> dict[str, int | None]:
+        """Size in bytes of each object (-1 where the engine can only tell that it exists), None
+        for a missing one. By default one listing per directory the keys are in."""
+        listed: dict[str, set[str]] = {}
+        out: dict[str, int | None] = {}
+        for key in keys:
+            head, _, name = key.rpartition("/")
+            if head not in listed:
+                listed[head] = set(self.list_dir(head)[0])
+            out[key] = -1 if name in listed[head] else None
+        return out
+
     # ---- arrays ------------------------------------------------------------------------
 
     def create_array(self, path: str, spec: ArraySpec) -> Any:
         """Write the array's zarr.json; returns a future."""
-        return self.put(f"{path}/zarr.json", json.dumps(zarr_metadata(spec)).encode())
+        return self.put(f"{path}/zarr.json", array_metadata_bytes(spec))
 
     def put_group(self, path: str) -> Any:
         """Write a group's zarr.json ('' for the root); returns a future."""
@@ -253,34 +342,100 @@ class Storage(ABC):
     # ---- commit ------------------------------------------------------------------------
 
     def stage(self, *, overwrite: bool) -> Staged:
-        """Check this location and prepare the place a save writes to (primary process only).
-        FileExistsError when a checkpoint is here and not `overwrite`.
+        """Check this location and prepare the place a save writes to (primary process only),
+        its owner record written first. FileExistsError when a checkpoint is here and not
+        `overwrite`.
 
         Default (no rename): a fresh generation prefix inside this location."""
         if not overwrite and self.exists(MANIFEST_NAME):
             raise FileExistsError(errno.EEXIST, "checkpoint already exists (pass overwrite=True to replace it)", self.url)
         generation = f"{GENERATION_MARK}{secrets.token_hex(6)}"
-        return Staged(self.child(generation), generation + "/", {"generation": generation})
+        place = self.child(generation)
+        mark = LiveMark(place.url)
+        try:
+            place.put_if_absent(OWNER_NAME, owner_bytes())
+        except BaseException:
+            mark.release()
+            raise
+        return Staged(place, generation + "/", {"generation": generation}, mark)
 
     def staged_from(self, info: dict) -> Staged:
         """The same Staged as the primary's ``stage`` returned, from its `info`."""
         generation = info["generation"]
         return Staged(self.child(generation), generation + "/", info)
 
+    def publish(self, staged: Staged, *, overwrite: bool) -> "Storage | None":
+        """Rename backends only: move the staged directory (manifest inside) to this location in
+        one atomic step, replacing what is here when `overwrite`. Returns the storage now holding
+        what was displaced (to delete once the commit is durable), or None. Raises only if
+        nothing was moved (an engine that cannot tell checks where its staged directory is)."""
+        raise NotImplementedError(f"{type(self).__name__} has no rename")
+
     def commit(self, staged: Staged, manifest: bytes, *, overwrite: bool,
                old_data: Callable[[], Iterable[str]] | None = None) -> None:
-        """Write the manifest last, making the staged data a checkpoint at this location.
+        """Write the manifest last, making the staged data a checkpoint at this location; then
+        remove leftovers of dead saves beside it (``leftovers``). The staged place's lock is
+        released in every case.
 
-        Default (no rename): the manifest is written if absent (FileExistsError when another save
-        committed first; its data is untouched), or, when overwriting, replaced in one write; then
-        the previous checkpoint's data is deleted. `old_data()` names the top-level entries the
-        previous manifest referenced (evaluated before the new manifest is written).
+        Rename backends: the owner record is removed, the manifest written (fsynced) into the
+        staged directory and the directory fsynced; ``publish`` renames it into place; then the
+        parent is fsynced (a failure there raises NotDurableError: committed, maybe not durable,
+        and the displaced old checkpoint is kept), and the displaced checkpoint is deleted.
+
+        Otherwise: the manifest is written if absent (FileExistsError when another save
+        committed first; its data is untouched), or, when overwriting, replaced in one write;
+        then the previous checkpoint's data is deleted. `old_data()` names the top-level entries
+        the previous manifest referenced (evaluated before the new manifest is written).
         """
+        try:
+            if self.renames:
+                self._commit_by_rename(staged, manifest, overwrite=overwrite)
+            else:
+                self._commit_by_conditional_write(staged, manifest, overwrite=overwrite, old_data=old_data)
+        finally:
+            staged.release()
+        if self.renames or overwrite:  # (elsewhere only an overwritten location can hold some)
+            self.remove_dead_leftovers(keep=staged)
+
+    def _commit_by_rename(self, staged: Staged, manifest: bytes, *, overwrite: bool) -> None:
+        place = staged.storage
+        place.delete(OWNER_NAME)  # the checkpoint holds only what the format describes
+        place.put_if_absent(MANIFEST_NAME, manifest)
+        place.sync("")
+        displaced = self.publish(staged, overwrite=overwrite)
+        # Committed: from here on the save has succeeded, whatever fails.
+        try:
+            self.parent().sync("")
+        except OSError as e:
+            raise NotDurableError(
+                f"checkpoint {self.url} was committed (it is in place and readable), but it may not be durable: "
+                f"syncing its directory entry failed: {e}"
+                + (f"; the previous checkpoint is kept at {displaced.url}" if displaced is not None else "")
+            ) from e
+        if displaced is not None:
+            try:
+                displaced.delete_tree("")
+            except OSError as e:
+                warnings.warn(f"checkpoint {self.url} committed, but the previous one at {displaced.url} could not "
+                              f"be deleted: {e}", RuntimeWarning, stacklevel=3)
+
+    def _commit_by_conditional_write(self, staged: Staged, manifest: bytes, *, overwrite: bool,
+                                     old_data: Callable[[], Iterable[str]] | None) -> None:
         stale = list(old_data()) if (overwrite and old_data is not None) else []
-        if overwrite:
-            self.put(MANIFEST_NAME, manifest).result()
-        else:
-            self.put_if_absent(MANIFEST_NAME, manifest)
+        try:
+            if overwrite:
+                self.put(MANIFEST_NAME, manifest).result()
+            else:
+                self.put_if_absent(MANIFEST_NAME, manifest)
+        except BaseException:
+            # The write may have landed (an answer lost): the staged data stays, in case the
+            # manifest points to it. Without its owner record it is a dead leftover the next
+            # cleanup removes, unless a manifest references it.
+            try:
+                staged.storage.delete(OWNER_NAME)
+            except OSError:
+                pass
+            raise
         # Committed: from here on nothing may fail the save. Old data that cannot be deleted
         # now is unreferenced and only costs space.
         keep = staged.prefix.rstrip("/")
@@ -291,11 +446,88 @@ class Storage(ABC):
                 self.delete(entry) if entry.endswith(".json") else self.delete_tree(entry)
             except OSError as e:
                 warnings.warn(f"checkpoint {self.url} committed, but its previous data {self.where(entry)} "
-                              f"could not be deleted: {e}", RuntimeWarning, stacklevel=2)
+                              f"could not be deleted: {e}", RuntimeWarning, stacklevel=3)
+        try:
+            staged.storage.delete(OWNER_NAME)
+        except OSError as e:
+            warnings.warn(f"checkpoint {self.url} committed, but its owner record could not be removed: {e}",
+                          RuntimeWarning, stacklevel=3)
 
     def abort(self, staged: Staged) -> None:
-        """Remove what a save that will not commit staged."""
-        staged.storage.delete_tree("")
+        """Remove what a save that will not commit staged, then release its lock."""
+        try:
+            staged.storage.delete_tree("")
+        finally:
+            staged.release()
+
+    # ---- leftovers of saves ----------------------------------------------------------------
+
+    def staging_area(self) -> "Storage":
+        """Where saves to this location stage (the parent on rename backends, else here)."""
+        return self.parent() if self.renames else self
+
+    def leftovers(self, referenced: Iterable[str] = ()) -> list[Leftover]:
+        """Staged data of saves directly below this location, each judged dead or alive:
+        temporary directories the library names (``<name>.tmp-<hex>``) and generation prefixes
+        not in `referenced` (the generations a manifest here points to). Default (no locks):
+        dead when the owner record is missing (a generation's record is its first object, and
+        goes only once its manifest is written) or names a process provably gone."""
+        files, dirs = self.list_dir("")
+        keep = {r.strip("/") for r in referenced}
+        out = []
+        for name in dirs:
+            if name in keep or not (_OWN_TEMP.fullmatch(name) or _GENERATION.fullmatch(name)):
+                continue
+            out.append(self._judge(name))
+        return out
+
+    def _judge(self, name: str) -> Leftover:
+        try:
+            owner = parse_owner(self.get(f"{name}/{OWNER_NAME}", max_bytes=OWNER_LIMIT_BYTES))
+        except FileNotFoundError:
+            return Leftover(name, True, "no save owns it (no owner record)")
+        except (OSError, CheckpointError) as e:
+            return Leftover(name, False, f"its owner record cannot be read ({e})")
+        if owner is None:
+            return Leftover(name, False, "its owner record is unreadable")
+        dead, why = owner_gone(owner, place=self.where(name))
+        return Leftover(name, dead, why, owner)
+
+    def remove_leftover(self, leftover: Leftover) -> bool:
+        """Remove a dead leftover if it is still dead; whether it was removed."""
+        now = self._judge(leftover.name)
+        if not now.dead:
+            return False
+        self.delete_tree(leftover.name)
+        return True
+
+    def remove_dead_leftovers(self, keep: Staged | None = None) -> list[str]:
+        """Remove the dead leftovers of saves where saves to this location stage (the next save
+        to the same parent cleans up after crashed ones); failures are warnings. Returns what was
+        removed. On backends without rename only the generations inside this checkpoint are
+        looked at, and only when it has a manifest (the manager handles uncommitted steps)."""
+        area = self.staging_area()
+        removed = []
+        try:
+            if self.renames:
+                found = area.leftovers()
+            else:
+                if not self.exists(MANIFEST_NAME):
+                    return []
+                found = self.leftovers([keep.prefix] if keep is not None else [])
+            for leftover in found:
+                if leftover.dead and area.remove_leftover(leftover):
+                    removed.append(area.where(leftover.name))
+        except (OSError, CheckpointError) as e:
+            warnings.warn(f"could not remove leftovers of earlier saves in {area.url}: {e}", RuntimeWarning,
+                          stacklevel=2)
+        return removed
+
+    def lock_saves(self) -> SaveLock:
+        """Claim this location (a manager directory) for one saver: CheckpointError naming the
+        holder when another one has it. Default (no locks): a lease object renewed in the
+        background while held and presumed abandoned after LEASE_TTL_S without renewal."""
+        return _Lease.acquire(self)
 
     def retire(self) -> None:
         """Delete the checkpoint at this location so that no moment shows a half-deleted one as
@@ -305,3 +537,4 @@ class Storage(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+

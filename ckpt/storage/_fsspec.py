@@ -21,7 +21,10 @@ import numpy as np
 
 from ckpt._errors import CheckpointError
 from ckpt._layout import Box, chunk_index_of, chunk_key
-from ckpt.storage._base import ArraySpec, Storage, aligned_empty, chunk_bytes, size_mismatch
+from ckpt.storage._base import (
+    READ_PIECE, ArraySpec, Storage, check_key, check_local_key, chunk_bytes, read_buffer, size_mismatch,
+    too_large,
+)
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
@@ -34,12 +37,32 @@ def _pool(concurrency: int) -> ThreadPoolExecutor:
         return _pools[concurrency]
 
 
+# s3fs and gcsfs raise OSError subclasses without an errno (PermissionError("Forbidden")): the
+# subclass says which, and OSError(code, ...) turns the code back into that subclass.
+_SUBCLASS_ERRNO = ((FileNotFoundError, errno.ENOENT), (FileExistsError, errno.EEXIST),
+                   (PermissionError, errno.EACCES), (TimeoutError, errno.ETIMEDOUT),
+                   (ConnectionError, errno.ECONNREFUSED))
+
+
 def _mapped(e: BaseException, where: str) -> BaseException:
     if isinstance(e, OSError) and e.filename is None:
-        return OSError(e.errno or errno.EIO, e.strerror or str(e), where)
+        code = e.errno or next((c for cls, c in _SUBCLASS_ERRNO if isinstance(e, cls)), errno.EIO)
+        return OSError(code, e.strerror or str(e), where)
     if isinstance(e, (OSError, CheckpointError)):
         return e
     return OSError(errno.EIO, f"{type(e).__name__}: {e}", where)
+
+
+def _range_not_satisfiable(e: BaseException) -> bool:
+    """HTTP 416 for a range past the object's end: gcsfs's HttpError(416); s3fs's
+    OSError(EINVAL) caused by botocore's InvalidRange (Ceph RGW)."""
+    seen = 0
+    while e is not None and seen < 5:
+        if (getattr(e, "code", None) == 416 or (type(e).__name__ == "HttpError" and "416" in str(e))
+                or "InvalidRange" in str(e)):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
 
 
 class _Future:
@@ -70,8 +93,9 @@ class FsspecStorage(Storage):
         self._local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
         # Write-if-absent is atomic on local disk (O_EXCL) and on object stores (If-None-Match);
         # elsewhere fsspec checks, then writes.
-        self.conditional_writes = self._local or bool({"s3", "s3a", "gs", "gcs"} & set(
+        self._object_store = bool({"s3", "s3a", "gs", "gcs"} & set(
             fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)))
+        self.conditional_writes = self._local or self._object_store
         async_fs = fs if getattr(fs, "async_impl", False) else AsyncFileSystemWrapper(fs, asynchronous=True)
         self.store = FsspecStore(fs=async_fs, path=self._path, read_only=False)
 
@@ -97,28 +121,62 @@ class FsspecStorage(Storage):
         except Exception as e:
             raise _mapped(e, where) from None
 
+    def _fs(self, method: str, *args, **kwargs):
+        """``fs.<method>(...)``, exceptions as raised. An asynchronous file system (s3fs, gcsfs:
+        opened with ``asynchronous=True``) runs its coroutine on zarr's event loop, where the
+        store's own I/O runs: its HTTP session belongs to that loop and may not be used from
+        another."""
+        if getattr(self.fs, "asynchronous", False):
+            from zarr.core.sync import sync
+
+            return sync(getattr(self.fs, "_" + method)(*args, **kwargs))
+        return getattr(self.fs, method)(*args, **kwargs)
+
     # ---- bytes -------------------------------------------------------------------------
 
-    def _read(self, key: str) -> bytes:
+    def _read(self, key: str, limit: int | None, start: int = 0) -> bytes:
+        """At most `limit - start` bytes of the object, from `start` (to its end without a
+        `limit`). Confined as the Storage contract says: a validated key, and on local files no
+        link followed and only a regular file opened."""
+        from zarr.abc.store import RangeByteRequest
         from zarr.core.buffer import default_buffer_prototype
 
-        buf = self._sync(self.store.get(key, prototype=default_buffer_prototype()), self.where(key))
+        check_key(key)
+        if self._local:
+            check_local_key(self._path, key)
+        byte_range = None if limit is None else RangeByteRequest(start, limit)
+        from zarr.core.sync import sync
+
+        try:
+            buf = sync(self.store.get(key, prototype=default_buffer_prototype(), byte_range=byte_range))
+        except Exception as e:
+            if byte_range is not None and _range_not_satisfiable(e):
+                return b""  # gcsfs: a range starting at or past the end is HTTP 416, not b""
+            raise _mapped(e, self.where(key)) from None
         if buf is None:
             raise FileNotFoundError(errno.ENOENT, "no such object", self.where(key))
         return buf.to_bytes()
 
     def get(self, key: str, *, max_bytes: int) -> bytes:
-        data = self._read(key)
+        # A one-byte probe past the limit first: a read of `max_bytes` may allocate all of it.
+        if self._read(key, max_bytes + 1, max_bytes):
+            raise too_large(self.where(key), max_bytes)
+        data = self._read(key, None)
         if len(data) > max_bytes:
-            raise size_mismatch(self.where(key), len(data), max_bytes)
+            raise too_large(self.where(key), max_bytes)
         return data
 
     def read_exact(self, key: str, nbytes: int) -> np.ndarray:
-        data = self._read(key)
-        if len(data) != nbytes:
-            raise size_mismatch(self.where(key), len(data), nbytes)
-        out = aligned_empty(nbytes)
-        out[:] = np.frombuffer(data, np.uint8)
+        out = read_buffer(nbytes, self.where(key))
+        # In pieces (READ_PIECE): no buffer but `out` ever holds the whole object.
+        for start in range(0, nbytes + 1, READ_PIECE):
+            stop = min(start + READ_PIECE, nbytes + 1)  # the last piece asks for one byte more
+            data = self._read(key, stop, start)
+            if len(data) > nbytes - start:
+                raise too_large(self.where(key), nbytes)
+            if len(data) != min(stop, nbytes) - start:
+                raise size_mismatch(self.where(key), start + len(data), nbytes)
+            out[start:start + len(data)] = np.frombuffer(data, np.uint8)
         return out
 
     def _set(self, key: str, data: bytes) -> None:
@@ -141,15 +199,24 @@ class FsspecStorage(Storage):
                     f.flush()
                     os.fsync(f.fileno())
                 return
-            if self.fs.exists(path):
+            if self._fs("exists", path):
                 raise FileExistsError(errno.EEXIST, "already exists", self.where(key))
-            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-            self.fs.pipe_file(path, bytes(data), mode="create")
+            if not self._object_store:
+                # (On s3fs / gcsfs there are no directories, and makedirs would try to create a
+                # missing bucket.)
+                self._fs("makedirs", path.rsplit("/", 1)[0], exist_ok=True)
+            # s3fs: PUT with If-None-Match: *; gcsfs: a multipart upload with ifGenerationMatch=0.
+            self._fs("pipe_file", path, bytes(data), mode="create")
         except FileExistsError:
             raise FileExistsError(errno.EEXIST, "already exists", self.where(key)) from None
-        except OSError as e:
-            # s3fs reports a lost If-None-Match race as OSError(EINVAL) on some servers.
-            if self.fs.exists(path):
+        except Exception as e:
+            # s3fs reports a lost If-None-Match race as OSError(EINVAL) on SeaweedFS and Ceph RGW
+            # (412 Precondition Failed); whatever the error, an object there now means we lost.
+            try:
+                there = self._fs("exists", path)
+            except Exception:
+                there = False
+            if there:
                 raise FileExistsError(errno.EEXIST, "already exists", self.where(key)) from None
             raise _mapped(e, self.where(key)) from None
 
@@ -159,10 +226,28 @@ class FsspecStorage(Storage):
     def exists_any(self) -> bool:
         return not self._sync(self.store.is_empty(""), self.url)
 
+    def stat_many(self, keys) -> dict[str, int | None]:
+        """On object stores, sizes from one recursive listing (s3fs / gcsfs ``find``: a LIST per
+        1000 objects) instead of a listing per directory (per row of chunks)."""
+        keys = list(keys)
+        if not self._object_store or not keys:
+            return super().stat_many(keys)
+        common = os.path.commonprefix(keys)
+        head = common[: common.rfind("/") + 1]
+        base = self._full(head.rstrip("/")).rstrip("/") + "/"
+        try:
+            found = self._fs("find", base, detail=True)
+        except FileNotFoundError:
+            found = {}
+        except Exception as e:
+            raise _mapped(e, self.where(head)) from None
+        sizes = {name[len(base):]: info.get("size", -1) for name, info in found.items() if name.startswith(base)}
+        return {k: sizes.get(k[len(head):]) for k in keys}
+
     def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
         path = self._full(prefix.strip("/"))
         try:
-            entries = self.fs.ls(path, detail=True)
+            entries = self._fs("ls", path, detail=True)
         except (FileNotFoundError, NotADirectoryError):
             return [], []
         except Exception as e:
@@ -177,7 +262,7 @@ class FsspecStorage(Storage):
 
     def delete(self, key: str) -> None:
         try:
-            self.fs.rm_file(self._full(key))
+            self._fs("rm_file", self._full(key))
         except FileNotFoundError:
             pass
         except Exception as e:
@@ -186,8 +271,8 @@ class FsspecStorage(Storage):
     def delete_tree(self, prefix: str = "") -> None:
         path = self._full(prefix.strip("/"))
         try:
-            if self.fs.exists(path):
-                self.fs.rm(path, recursive=True)
+            if self._fs("exists", path):
+                self._fs("rm", path, recursive=True)
         except FileNotFoundError:
             pass
         except Exception as e:

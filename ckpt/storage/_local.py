@@ -5,40 +5,48 @@ page-aligned buffers (each file fsynced) and read back whole with O_DIRECT into 
 small files, listing and deletion are plain system calls. A save is staged in a sibling
 ``<path>.tmp-<hex>`` directory and committed by one rename (renameat2 NOREPLACE, or EXCHANGE when
 overwriting), so the checkpoint's own layout has no generation prefix.
+
+Reads are confined to the checkpoint: every file is reached by an ``openat`` walk from the
+checkpoint directory's own descriptor with ``O_NOFOLLOW`` on every component (a symbolic link
+anywhere inside is an error, never followed), only regular files are opened (``O_NONBLOCK`` and a
+type check first, so a FIFO or device is refused, never waited on), and a file's size is checked
+with ``fstat`` before any buffer is allocated. ``pin()`` keeps that descriptor for a whole restore,
+so an overwrite's rename-exchange cannot switch checkpoints under a reader.
+
+Saves in progress are protected by ``flock``: the saving process holds an exclusive lock on its
+staged directory (and writes an owner record in it) until the rename; a manager holds one on its
+directory while it saves. A staged directory is a dead leftover only once its lock is free and
+its owner record says its process is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
 import secrets
 import shutil
-from typing import Callable, Iterable
+import stat
+import time
+from typing import Iterator
 
 import numpy as np
 
 from ckpt._errors import CheckpointError
-from ckpt.storage._base import MANIFEST_NAME, TEMP_MARK, Staged, Usage, aligned_empty, size_mismatch
+from ckpt.storage._base import (
+    TEMP_MARK, Staged, Usage, aligned_empty, check_key, file_kind, size_mismatch,
+)
+from ckpt.storage._owners import (
+    _OWN_TEMP, OWNER_LIMIT_BYTES, OWNER_NAME, UNOWNED_GRACE_S, DirLock, Leftover, SaveLock, _boot_id, _lock_holder,
+    owner_bytes, owner_gone, owner_text, parse_owner,
+)
 from ckpt.storage._tensorstore import TensorStoreStorage, shared_context
 
 _PAGE = 4096
 _direct_reads: bool | None = None  # unknown until the first open
-
-
-def _open_for_read(file: str) -> int:
-    """An fd for reading `file`, with O_DIRECT unless the file system refuses it."""
-    global _direct_reads
-    if _direct_reads is not False and hasattr(os, "O_DIRECT"):
-        try:
-            fd = os.open(file, os.O_RDONLY | os.O_DIRECT)
-            _direct_reads = True
-            return fd
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            _direct_reads = False
-    return os.open(file, os.O_RDONLY)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def fsync_path(path: str) -> None:
@@ -98,16 +106,46 @@ def remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+# ---- confined reads ----------------------------------------------------------------------------
+
+
+def _open_direct(name: str, dir_fd: int) -> int:
+    """An fd for reading the regular file `name` below `dir_fd`, with O_DIRECT unless the file
+    system refuses it."""
+    global _direct_reads
+    if _direct_reads is not False and hasattr(os, "O_DIRECT"):
+        try:
+            fd = os.open(name, _FILE_FLAGS | os.O_DIRECT, dir_fd=dir_fd)
+            _direct_reads = True
+            return fd
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            _direct_reads = False
+    return os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+
+
+def _refusal(where: str, st: os.stat_result | None, wanted: str) -> CheckpointError:
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        return CheckpointError(f"{where} is a symbolic link: a checkpoint is read only through its own directories "
+                               "and regular files, never through links")
+    kind = file_kind(st.st_mode) if st is not None else "unreadable"
+    return CheckpointError(f"{where} is not {wanted} ({kind})")
+
+
 class LocalStorage(TensorStoreStorage):
-    """A directory on the local file system (`root`: an absolute path)."""
+    """A directory on the local file system (`root`: an absolute path). `pinned_fd`: an open
+    descriptor of the directory that every read goes through (see ``pin``)."""
 
     engine = "local"
     renames = True
     conditional_writes = True
 
-    def __init__(self, root: str, concurrency: int):
+    def __init__(self, root: str, concurrency: int, pinned_fd: int | None = None):
         self.root = os.path.abspath(root)
         self._concurrency = concurrency
+        self._pinned_fd = pinned_fd
+        self._hold: DirLock | None = None  # set on a displaced checkpoint until it is removed
         super().__init__({"driver": "file", "path": self.root.rstrip("/") + "/"}, self.root,
                          shared_context("local", concurrency))
 
@@ -129,14 +167,94 @@ class LocalStorage(TensorStoreStorage):
     def name(self) -> str:
         return os.path.basename(self.root)
 
-    # ---- bytes -------------------------------------------------------------------------
+    @property
+    def resolved_name(self) -> str:
+        return os.path.basename(os.path.realpath(self.root))
+
+    @contextlib.contextmanager
+    def pin(self) -> Iterator["LocalStorage"]:
+        fd = self._pinned_fd if self._pinned_fd is not None else os.open(self.root, os.O_RDONLY | os.O_DIRECTORY
+                                                                          | os.O_CLOEXEC)
+        try:
+            yield LocalStorage(self.root, self._concurrency, pinned_fd=fd)
+        finally:
+            if fd != self._pinned_fd:
+                os.close(fd)
+
+    # ---- confined reads ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _parent_fd(self, key: str) -> Iterator[tuple[int, str]]:
+        """(descriptor of the directory holding `key`, the key's last component), reached from
+        the checkpoint directory without following any link."""
+        parts = check_key(key).split("/")
+        owned: list[int] = []
+        if self._pinned_fd is not None:
+            fd = self._pinned_fd
+        else:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            owned.append(fd)
+        try:
+            for i, part in enumerate(parts[:-1]):
+                try:
+                    fd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    raise FileNotFoundError(errno.ENOENT, "no such object", self._path(key)) from None
+                except OSError as e:
+                    if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise OSError(e.errno, e.strerror, self._path("/".join(parts[: i + 1]))) from None
+                    try:
+                        st = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                    except OSError:
+                        st = None
+                    raise _refusal(self._path("/".join(parts[: i + 1])), st, "a directory") from None
+                owned.append(fd)
+            yield fd, parts[-1]
+        finally:
+            for f in owned:
+                os.close(f)
+
+    def _open_file(self, key: str, *, direct: bool = False) -> tuple[int, os.stat_result]:
+        """An open descriptor of the regular file `key` and its fstat."""
+        where = self._path(key)
+        with self._parent_fd(key) as (dir_fd, name):
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise FileNotFoundError(errno.ENOENT, "no such object", where) from None
+            if not stat.S_ISREG(st.st_mode):
+                raise _refusal(where, st, "a regular file")
+            try:
+                fd = _open_direct(name, dir_fd) if direct else os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, where) from None
+        try:
+            opened = os.fstat(fd)
+            if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+                raise _refusal(where, opened, "the regular file it was a moment ago")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, opened
 
     def get(self, key: str, *, max_bytes: int) -> bytes:
         path = self._path(key)
-        with open(path, "rb") as f:
-            data = f.read(max_bytes + 1)
+        fd, st = self._open_file(key)
+        try:
+            if st.st_size > max_bytes:
+                raise size_mismatch(path, st.st_size, max_bytes)
+            limit, parts, total = st.st_size + 1, [], 0
+            while total < limit:
+                part = os.read(fd, limit - total)
+                if not part:
+                    break
+                parts.append(part)
+                total += len(part)
+        finally:
+            os.close(fd)
+        data = b"".join(parts)
         if len(data) > max_bytes:
-            raise size_mismatch(path, os.stat(path).st_size, max_bytes)
+            raise size_mismatch(path, len(data), max_bytes)
         return data
 
     def read_exact(self, key: str, nbytes: int) -> np.ndarray:
@@ -144,13 +262,19 @@ class LocalStorage(TensorStoreStorage):
 
         With the ``bytes`` codec a chunk file is exactly the chunk's little-endian bytes, so this
         is one read, with O_DIRECT where the file system allows it (no page-cache copy). The
-        alignment also lets JAX adopt the buffer as a CPU device buffer without a copy.
+        alignment also lets JAX adopt the buffer as a CPU device buffer without a copy. The
+        buffer is allocated only once fstat says the file holds exactly `nbytes`.
         """
         file = self._path(key)
-        padded = -(-nbytes // _PAGE) * _PAGE  # direct reads want whole pages
-        buf = aligned_empty(padded + _PAGE, _PAGE)  # one page more, to see a too-long file
-        fd = _open_for_read(file)
+        fd, st = self._open_file(key, direct=True)
         try:
+            if st.st_size != nbytes:
+                raise size_mismatch(file, st.st_size, nbytes)
+            padded = -(-nbytes // _PAGE) * _PAGE  # direct reads want whole pages
+            try:
+                buf = aligned_empty(padded + _PAGE, _PAGE)  # one page more, to see a file that grew
+            except MemoryError:
+                raise CheckpointError(f"{file}: no memory for its {nbytes} bytes") from None
             filled = 0
             while filled < len(buf):
                 n = os.readv(fd, [memoryview(buf)[filled:]])
@@ -160,16 +284,33 @@ class LocalStorage(TensorStoreStorage):
         finally:
             os.close(fd)
         if filled != nbytes:
-            raise size_mismatch(file, filled if filled < nbytes else os.stat(file).st_size, nbytes)
+            raise size_mismatch(file, filled, nbytes)
         return buf[:nbytes]
+
+    def exists(self, key: str) -> bool:
+        """Whether `key` is a regular file reached without following links."""
+        try:
+            with self._parent_fd(key) as (dir_fd, name):
+                return stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        except (OSError, CheckpointError):
+            return False
+
+    def stat_many(self, keys) -> dict[str, int | None]:
+        out: dict[str, int | None] = {}
+        for key in keys:
+            try:
+                st = os.lstat(self._path(key))
+                out[key] = st.st_size if stat.S_ISREG(st.st_mode) else None
+            except OSError:
+                out[key] = None
+        return out
+
+    # ---- writes ------------------------------------------------------------------------
 
     def put_if_absent(self, key: str, data: bytes) -> None:
         path = self._path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_file_synced(path, data, exclusive=True)
-
-    def exists(self, key: str) -> bool:
-        return os.path.isfile(self._path(key))
 
     def exists_any(self) -> bool:
         return os.path.lexists(self.root)
@@ -213,6 +354,11 @@ class LocalStorage(TensorStoreStorage):
             remove_tree(path)
         else:
             self.delete(prefix)
+        if not prefix and self._hold is not None:
+            self._hold.release()
+
+    def sync(self, key: str = "") -> None:
+        fsync_path(self._path(key))
 
     # ---- commit: a staged sibling directory, renamed into place --------------------------
 
@@ -222,42 +368,154 @@ class LocalStorage(TensorStoreStorage):
         os.makedirs(os.path.dirname(self.root), exist_ok=True)
         tmp = f"{self.root}{TEMP_MARK}{secrets.token_hex(6)}"
         os.mkdir(tmp)
-        return Staged(LocalStorage(tmp, self._concurrency), "", {"tmp": os.path.basename(tmp)})
+        lock = None
+        try:
+            lock = DirLock.acquire(tmp)  # (a cleaner may be looking at it for a moment)
+            with open(os.path.join(tmp, OWNER_NAME), "xb") as f:
+                f.write(owner_bytes())
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            remove_tree(tmp)
+            raise
+        return Staged(LocalStorage(tmp, self._concurrency), "", {"tmp": os.path.basename(tmp)}, lock)
 
     def staged_from(self, info: dict) -> Staged:
         tmp = os.path.join(os.path.dirname(self.root), info["tmp"])
         return Staged(LocalStorage(tmp, self._concurrency), "", info)
 
-    def commit(self, staged: Staged, manifest: bytes, *, overwrite: bool,
-               old_data: Callable[[], Iterable[str]] | None = None) -> None:
+    def publish(self, staged: Staged, *, overwrite: bool) -> "LocalStorage | None":
         tmp, final = staged.storage.where(""), self.root
-        write_file_synced(os.path.join(tmp, MANIFEST_NAME), manifest)
-        fsync_path(tmp)
-        if overwrite and os.path.lexists(final):
-            if exchange(tmp, final):
-                remove_tree(tmp)  # holds the previous checkpoint now
-            else:
-                # No atomic exchange here: the old checkpoint is moved aside, never modified.
-                old = f"{final}{TEMP_MARK}old-{secrets.token_hex(6)}"
-                os.rename(final, old)
-                os.rename(tmp, final)
-                remove_tree(old)
-        else:
-            rename_noreplace(tmp, final)
-        fsync_path(os.path.dirname(final))
+        st = os.lstat(tmp)
+        staged_id = (st.st_dev, st.st_ino)
 
-    def abort(self, staged: Staged) -> None:
-        remove_tree(staged.storage.where(""))
+        def landed() -> bool:  # an error after the kernel made the rename: it happened
+            try:
+                now = os.lstat(final)
+            except OSError:
+                return False
+            return (now.st_dev, now.st_ino) == staged_id
+
+        try:
+            if overwrite and os.path.lexists(final):
+                if exchange(tmp, final):
+                    return LocalStorage(tmp, self._concurrency)  # holds the previous checkpoint now
+                # No atomic exchange here: the old checkpoint is moved aside (locked, so that no
+                # cleaner removes it meanwhile), never modified, and moved back if the rename fails.
+                old = f"{final}{TEMP_MARK}old-{secrets.token_hex(6)}"
+                hold = DirLock.try_acquire(final)
+                os.rename(final, old)
+                try:
+                    os.rename(tmp, final)
+                except BaseException:
+                    if not landed():
+                        os.rename(old, final)
+                        if hold is not None:
+                            hold.release()
+                        raise
+                displaced = LocalStorage(old, self._concurrency)
+                displaced._hold = hold
+                return displaced
+            rename_noreplace(tmp, final)
+            return None
+        except OSError:
+            if landed():
+                return LocalStorage(tmp, self._concurrency) if os.path.lexists(tmp) else None
+            raise
 
     def retire(self) -> None:
         # A rename to a temporary name first (after which it is no longer a checkpoint), made
-        # durable, then the removal of the files.
-        retired = f"{self.root}{TEMP_MARK}deleted-{secrets.token_hex(6)}"
-        os.rename(self.root, retired)
-        fsync_path(os.path.dirname(self.root))
-        remove_tree(retired)
+        # durable, then the removal of the files, under a lock so no cleaner races the removal.
+        hold = DirLock.try_acquire(self.root)
+        try:
+            retired = f"{self.root}{TEMP_MARK}deleted-{secrets.token_hex(6)}"
+            os.rename(self.root, retired)
+            fsync_path(os.path.dirname(self.root))
+            remove_tree(retired)
+        finally:
+            if hold is not None:
+                hold.release()
 
     def make_dirs(self) -> None:
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", self.root)
         os.makedirs(self.root, exist_ok=True)
+
+    # ---- leftovers and the saver lock ----------------------------------------------------
+
+    def leftovers(self, referenced=()) -> list[Leftover]:
+        """The library's temporary directories directly below this directory, judged by their
+        locks and owner records (see the module docstring)."""
+        out = []
+        try:
+            with os.scandir(self.root) as it:
+                names = [e.name for e in it if _OWN_TEMP.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        for name in sorted(names):
+            try:
+                lock = DirLock.try_acquire(self._path(name))
+            except FileNotFoundError:
+                continue  # committed or removed meanwhile
+            except OSError as e:
+                out.append(Leftover(name, False, f"cannot be opened ({e.strerror})"))
+                continue
+            if lock is None:
+                owner = self._owner(name)
+                out.append(Leftover(name, False, f"a save in progress holds its lock ({owner_text(owner)})", owner))
+                continue
+            try:
+                out.append(self._judge_locked(name, lock))
+            finally:
+                lock.release()
+        return out
+
+    def _owner(self, name: str) -> dict | None:
+        try:
+            return parse_owner(self.get(f"{name}/{OWNER_NAME}", max_bytes=OWNER_LIMIT_BYTES))
+        except (OSError, CheckpointError):
+            return None
+
+    def _judge_locked(self, name: str, lock: DirLock) -> Leftover:
+        """Judge a temporary directory whose lock we hold: its saver has released it."""
+        kind = _OWN_TEMP.fullmatch(name).group(1)
+        if kind == "deleted":
+            return Leftover(name, True, "a checkpoint being deleted, which nobody is deleting any more")
+        if kind == "old":
+            return Leftover(name, True, "a replaced checkpoint, which nobody is removing any more")
+        owner = self._owner(name)
+        if owner is None:
+            age = time.time() - os.fstat(lock.fd).st_mtime
+            if age > UNOWNED_GRACE_S:
+                return Leftover(name, True, f"no save owns it (no owner record, untouched for {age:.0f} s)")
+            return Leftover(name, False, f"no owner record yet (untouched for {age:.0f} s; left alone for "
+                                         f"{UNOWNED_GRACE_S:.0f} s)")
+        if owner.get("boot_id") and owner.get("boot_id") == _boot_id():
+            return Leftover(name, True, f"its save ({owner_text(owner)}) ended without committing it", owner)
+        dead, why = owner_gone(owner)
+        return Leftover(name, dead, why, owner)
+
+    def remove_leftover(self, leftover: Leftover) -> bool:
+        path = self._path(leftover.name)
+        try:
+            lock = DirLock.try_acquire(path)
+        except FileNotFoundError:
+            return False
+        if lock is None:
+            return False
+        try:
+            if not self._judge_locked(leftover.name, lock).dead:
+                return False
+            remove_tree(path)  # under the lock: no other cleaner works on it meanwhile
+            return True
+        finally:
+            lock.release()
+
+    def lock_saves(self) -> SaveLock:
+        self.make_dirs()
+        lock = DirLock.try_acquire(self.root)
+        if lock is None:
+            raise CheckpointError(
+                f"another CheckpointManager ({_lock_holder(self.root)}) is saving to {self.root}: two managers cannot "
+                "save to one directory (close the other one, or save to another directory)")
+        return lock

@@ -2,6 +2,14 @@
 
 Default engine per scheme: a local path or ``file://`` -> ``local``; ``memory://``, ``s3://``,
 ``gs://`` -> ``tensorstore``; any other scheme fsspec knows -> ``fsspec``.
+
+Object stores take their endpoint, region and credentials from the places their own tools read
+(docs/storage.md, "S3 and GCS"): ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, ``AWS_REGION`` /
+``AWS_DEFAULT_REGION``, the AWS credential chain (``AWS_ACCESS_KEY_ID``..., ``~/.aws``), and for GCS
+application-default credentials or an emulator named by ``STORAGE_EMULATOR_HOST``. Requests are
+retried a bounded number of times (``OBJECT_STORE_RETRIES``), so that a server that keeps failing
+is an error within seconds instead of TensorStore's default of minutes. ``storage_options``
+entries override all of it.
 """
 
 from __future__ import annotations
@@ -80,6 +88,36 @@ def default_engine(text: str) -> str:
     raise _unsupported(text)
 
 
+# TensorStore's own default is 32 retries with delays up to 32 s: about 9 minutes before a server
+# that answers every request with an error (or none at all) surfaces as one. Six retries, 0.1 s
+# doubling to at most 5 s, ride out a restart of a few seconds and fail in about 7 s otherwise.
+OBJECT_STORE_RETRIES = {"max_retries": 6, "initial_delay": "100ms", "max_delay": "5s"}
+
+
+def _emulator_url(host: str) -> str:
+    return host if host.startswith(("http://", "https://")) else f"http://{host}"
+
+
+def gcs_emulator() -> str | None:
+    """The GCS emulator Google's client libraries would use (``STORAGE_EMULATOR_HOST``), as a URL."""
+    host = os.environ.get("STORAGE_EMULATOR_HOST", "").strip()
+    return _emulator_url(host) if host and host != "default" else None
+
+
+def _use_gcs_emulator_in_tensorstore() -> bool:
+    """Point TensorStore's gcs kvstore at the emulator that ``STORAGE_EMULATOR_HOST`` names, as
+    Google's client libraries do. TensorStore reads ``TENSORSTORE_GCS_HTTP_URL`` when a store is
+    opened; an emulator takes no credentials, and ``GOOGLE_AUTH_TOKEN_FOR_TESTING`` keeps
+    TensorStore from looking for real ones (it would ask the GCE metadata server). Values the
+    user set win. Returns whether an emulator is in use."""
+    url = gcs_emulator()
+    if url is None:
+        return False
+    os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", url)
+    os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
+    return True
+
+
 def _tensorstore_spec(text: str, storage_options: dict) -> tuple[dict, str]:
     """(kvstore spec, context kind) for a location the tensorstore engine serves."""
     scheme = _scheme(text)
@@ -100,8 +138,17 @@ def _tensorstore_spec(text: str, storage_options: dict) -> tuple[dict, str]:
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if region:
             spec["aws_region"] = region
+        # Credentials: TensorStore's default AWS chain (the AWS_ACCESS_KEY_ID... variables, the
+        # profile's entries in ~/.aws/credentials and ~/.aws/config or AWS_SHARED_CREDENTIALS_FILE /
+        # AWS_CONFIG_FILE, web identity, then ECS / EC2 instance roles). Its profile must be
+        # named: with none (TensorStore 0.1.86) the files are not read at all.
+        profile = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE") or "default"
+        spec["aws_credentials"] = {"type": "default", "profile": profile}
+        spec["s3_request_retries"] = dict(OBJECT_STORE_RETRIES)
         return {**spec, **storage_options}, "s3"
     if scheme == "gs":
+        _use_gcs_emulator_in_tensorstore()
+        spec["gcs_request_retries"] = dict(OBJECT_STORE_RETRIES)
         return {**spec, "driver": "gcs", **storage_options}, "gcs"
     import tensorstore as ts
 
@@ -138,7 +185,10 @@ def open_storage(location: Any, options: Options) -> Storage:
         from ckpt.storage._tensorstore import TensorStoreStorage, shared_context
 
         spec, kind = _tensorstore_spec(text, storage_options)
-        return TensorStoreStorage(spec, text, shared_context(kind, concurrency))
+        # fake-gcs-server and other emulators ignore ifGenerationMatch on the simple uploads
+        # TensorStore sends: write-if-absent is not atomic there (real GCS honours it).
+        atomic = not (kind == "gcs" and gcs_emulator() is not None)
+        return TensorStoreStorage(spec, text, shared_context(kind, concurrency), conditional_writes=atomic)
     import fsspec
 
     scheme = _scheme(text)
@@ -147,10 +197,43 @@ def open_storage(location: Any, options: Options) -> Storage:
     url = text if "://" in text else "file://" + text
     if scheme == "file":
         storage_options.setdefault("auto_mkdir", True)
+    _object_store_defaults(scheme, storage_options, concurrency)
     try:
+        if getattr(fsspec.get_filesystem_class(scheme), "async_impl", False):
+            # zarr's FsspecStore runs the I/O on its own event loop; a file system made for
+            # that loop (asynchronous=True) is what FsspecStorage drives its own calls through.
+            storage_options.setdefault("asynchronous", True)
         fs, path = fsspec.core.url_to_fs(url, **storage_options)
     except ImportError as e:
         raise CheckpointError(f"the fsspec engine needs a package for {scheme}:// locations: {e}") from None
     from ckpt.storage._fsspec import FsspecStorage
 
     return FsspecStorage(fs, path, text, concurrency)
+
+
+def _object_store_defaults(scheme: str, storage_options: dict, concurrency: int) -> None:
+    """Defaults for s3fs and gcsfs, under what the caller passed.
+
+    Both cache directory listings per file-system instance, which would hide objects other
+    processes write (a racing save's manifest, another process's chunks): listings are always
+    fresh here. s3fs reads the endpoint (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL), keys and
+    ~/.aws files through botocore itself; botocore's region variable is AWS_DEFAULT_REGION, so
+    AWS_REGION is passed on where that is unset. gcsfs reads STORAGE_EMULATOR_HOST itself; with
+    an emulator it needs no credentials (token 'anon', instead of probing the GCE metadata
+    server) and its hierarchical-namespace probe, which emulators do not answer (each bucket
+    operation would wait 60 s), must be off before gcsfs is imported.
+    """
+    if scheme in ("s3", "s3a"):
+        storage_options.setdefault("use_listings_cache", False)
+        # botocore keeps at most 10 connections by default: as many as requests in flight.
+        config = dict(storage_options.get("config_kwargs") or {})
+        config.setdefault("max_pool_connections", concurrency)
+        storage_options["config_kwargs"] = config
+        region = os.environ.get("AWS_REGION")
+        if region and not os.environ.get("AWS_DEFAULT_REGION") and "client_kwargs" not in storage_options:
+            storage_options["client_kwargs"] = {"region_name": region}
+    elif scheme in ("gs", "gcs"):
+        storage_options.setdefault("use_listings_cache", False)
+        if gcs_emulator() is not None:
+            storage_options.setdefault("token", "anon")
+            os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")

@@ -5,6 +5,7 @@ library's host buffers without copying them; everything else goes through ``ts.K
 from __future__ import annotations
 
 import errno
+import os
 import re
 import shutil
 import threading
@@ -15,7 +16,10 @@ import tensorstore as ts
 
 from ckpt._errors import CheckpointError
 from ckpt._layout import Box, box_to_index, chunk_index_of, chunk_key
-from ckpt.storage._base import ArraySpec, Storage, aligned_empty, size_mismatch, zarr_metadata
+from ckpt.storage._base import (
+    READ_PIECE, ArraySpec, Storage, check_key, check_local_key, read_buffer, size_mismatch, too_large,
+    zarr_metadata,
+)
 
 # TensorStore reports failures as ValueError("<absl status code>: <message>").
 _STATUS = re.compile(r"^([A-Z_]+):")
@@ -27,6 +31,7 @@ _ERRNO = {
     "RESOURCE_EXHAUSTED": errno.ENOSPC,
     "OUT_OF_RANGE": errno.EFBIG,
     "DEADLINE_EXCEEDED": errno.ETIMEDOUT,
+    "INVALID_ARGUMENT": errno.EINVAL,  # e.g. a bucket name S3 or GCS does not accept
     "UNAVAILABLE": errno.EIO,
     "DATA_LOSS": errno.EIO,
     "ABORTED": errno.EIO,
@@ -63,6 +68,12 @@ class MappedFuture:
             raise storage_error(e, self._where) from None
 
 
+# Reading one object from S3 or GCS: ranged GETs of this size, this many at once per object
+# (AWS's guidance for throughput is 8-16 MiB parts; on loopback 4 MiB x 4 kept the request
+# queue full: docs/benchmarks.md, "Object stores").
+OBJECT_PART_BYTES = 4 << 20
+OBJECT_PARTS_IN_FLIGHT = 4
+
 _contexts: dict[tuple, ts.Context] = {}
 _contexts_lock = threading.Lock()
 
@@ -88,6 +99,10 @@ def shared_context(kind: str, concurrency: int) -> ts.Context:
             elif kind == "file":
                 spec["file_io_concurrency"] = {"limit": concurrency}
             elif kind == "s3":
+                # Requests in flight, reads and writes together (TensorStore's default: 32). A
+                # save keeps at most max_inflight_bytes in flight and a restore reads on
+                # io_concurrency threads, so this is the one knob: raise io_concurrency for
+                # high-latency stores (docs/storage.md, "Performance").
                 spec["s3_request_concurrency"] = {"limit": concurrency}
             elif kind == "gcs":
                 spec["gcs_request_concurrency"] = {"limit": concurrency}
@@ -143,28 +158,85 @@ class TensorStoreStorage(Storage):
 
     # ---- bytes -------------------------------------------------------------------------
 
-    def _read(self, key: str) -> bytes:
+    def _read(self, key: str, byte_range: slice | None = None) -> bytes | None:
+        """The object's bytes (those in `byte_range` only); None when the range ends past the
+        object's end. Confined as the Storage contract says: a validated key, and on local files
+        no link followed and nothing but a regular file opened (the file driver follows links
+        and would block on a FIFO)."""
+        check_key(key)
+        if self._spec.get("driver") == "file":
+            check_local_key(self._spec["path"], key)
         try:
-            r = self.kv.read(key).result()
+            r = self.kv.read(key, byte_range=byte_range).result()
         except Exception as e:
+            if byte_range is not None and str(e).startswith("OUT_OF_RANGE"):
+                return None
             raise storage_error(e, self.where(key)) from None
         if r.state != "value":
             raise FileNotFoundError(errno.ENOENT, "no such object", self.where(key))
         return r.value
 
     def get(self, key: str, *, max_bytes: int) -> bytes:
+        # Never more than max_bytes: a one-byte probe past the limit first.
+        if self._read(key, slice(max_bytes, max_bytes + 1)):
+            raise too_large(self.where(key), max_bytes)
         data = self._read(key)
         if len(data) > max_bytes:
             raise size_mismatch(self.where(key), len(data), max_bytes)
         return data
 
     def read_exact(self, key: str, nbytes: int) -> np.ndarray:
-        data = self._read(key)
-        if len(data) != nbytes:
-            raise size_mismatch(self.where(key), len(data), nbytes)
-        out = aligned_empty(nbytes)
-        out[:] = np.frombuffer(data, np.uint8)
+        # Only the recorded size is read: an object shorter than that is damage, and so is one
+        # longer, which a one-byte probe past the end (sent with the first part) tells, except
+        # on S3 and GCS, where that would be a second request per chunk: there the tail of a
+        # longer object is never read (the chunk's checksum covers the bytes that are).
+        out = read_buffer(nbytes, self.where(key))
+        remote = self._spec.get("driver") in ("s3", "gcs")
+        # Object stores: ranged GETs of OBJECT_PART_BYTES, up to OBJECT_PARTS_IN_FLIGHT of them
+        # at once, so that a reader keeps requests queued while it checks what arrived (one
+        # request per chunk left gaps: measured in docs/benchmarks.md, "Object stores").
+        piece = OBJECT_PART_BYTES if remote else READ_PIECE
+        window = OBJECT_PARTS_IN_FLIGHT if remote else 1
+        ranges = [(a, min(a + piece, nbytes)) for a in range(0, nbytes, piece)] if nbytes else [(0, 0)]
+        check_key(key)
+        if self._spec.get("driver") == "file":
+            check_local_key(self._spec["path"], key)
+        probe = None if remote else self.kv.read(key, byte_range=slice(nbytes, nbytes + 1))
+        pending: list = []
+        for i in range(len(ranges) + window):
+            if i < len(ranges):
+                start, stop = ranges[i]
+                pending.append((start, stop, self.kv.read(key, byte_range=slice(start, stop))))
+            if i >= window or i >= len(ranges):
+                if not pending:
+                    break
+                start, stop, future = pending.pop(0)
+                data = self._part(key, future, nbytes)
+                if len(data) != stop - start:
+                    raise CheckpointError(f"{self.where(key)} is truncated: it holds fewer than the {nbytes} bytes expected")
+                out[start:stop] = np.frombuffer(data, np.uint8)
+        try:
+            longer = probe is not None and probe.result().state == "value"
+        except Exception as e:
+            if not str(e).startswith("OUT_OF_RANGE"):
+                raise storage_error(e, self.where(key)) from None
+            longer = False
+        if longer:
+            raise too_large(self.where(key), nbytes)
         return out
+
+    def _part(self, key: str, future: Any, nbytes: int) -> bytes:
+        try:
+            r = future.result()
+        except Exception as e:
+            if str(e).startswith("OUT_OF_RANGE"):
+                # Shorter than a part that ends at most at nbytes: reading it whole to say its
+                # size reads no more than that.
+                raise size_mismatch(self.where(key), len(self._read(key) or b""), nbytes) from None
+            raise storage_error(e, self.where(key)) from None
+        if r.state != "value":
+            raise FileNotFoundError(errno.ENOENT, "no such object", self.where(key))
+        return r.value
 
     def put(self, key: str, data: bytes) -> Any:
         return MappedFuture(self.kv.write(key, bytes(data)), self.where(key))
@@ -185,10 +257,29 @@ class TensorStoreStorage(Storage):
         return [k.decode("utf-8", "surrogateescape") for k in keys]
 
     def exists(self, key: str) -> bool:
-        return "" in self._list(key)
+        # One LIST of the keys from `key` up to its successor (not a read of the object). Without
+        # strip_prefix_length: TensorStore drops keys that it strips to '' (the s3 kvstore does).
+        rng = ts.KvStore.KeyRange(key, _successor(key))
+        try:
+            keys = self.kv.list(rng).result()
+        except Exception as e:
+            raise storage_error(e, self.where(key)) from None
+        return key.encode("utf-8", "surrogateescape") in keys
 
     def exists_any(self) -> bool:
         return bool(self._list(""))
+
+    def stat_many(self, keys) -> dict[str, int | None]:
+        """-1 for each key that exists, None for a missing one, from one listing of everything
+        below the keys' common directory (on S3/GCS: one LIST per 1000 objects; the default,
+        a listing per directory, would be a LIST per row of chunks)."""
+        keys = list(keys)
+        if not keys:
+            return {}
+        common = os.path.commonprefix(keys)
+        prefix = common[: common.rfind("/") + 1]
+        present = set(self._list(prefix))
+        return {k: -1 if k[len(prefix):] in present else None for k in keys}
 
     def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
         prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""

@@ -3,19 +3,21 @@
 Subclass it and override the operations to observe, delay or fail; locations derived from a
 wrapped storage (children, parents, staged directories) are wrapped the same way, so a wrapper
 sees every primitive of a save, restore or manager: chunk and metadata writes, reads, listing,
-deletion, and on backends without renames the manifest write of the commit. A renaming
-backend's commit, abort and retire (local disk) are seen as one call each. The test suite
-injects its faults this way.
+deletion, and every step of the commit (the manifest write, the syncs, a rename backend's
+``publish``); a renaming backend's ``stage`` and ``retire`` (local disk) are seen as one call each.
+The test suite injects its faults this way.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+import contextlib
+import dataclasses
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
 from ckpt._layout import Box
-from ckpt.storage._base import ArraySpec, Staged, Storage
+from ckpt.storage._base import ArraySpec, Leftover, SaveLock, Staged, Storage
 
 
 class WrapperStorage(Storage):
@@ -49,6 +51,15 @@ class WrapperStorage(Storage):
 
     def where(self, key: str) -> str:
         return self.inner.where(key)
+
+    @property
+    def resolved_name(self) -> str:
+        return self.inner.resolved_name
+
+    @contextlib.contextmanager
+    def pin(self) -> Iterator[Storage]:
+        with self.inner.pin() as pinned:
+            yield self.wrap(pinned)
 
     def child(self, key: str) -> Storage:
         return self.wrap(self.inner.child(key))
@@ -86,6 +97,27 @@ class WrapperStorage(Storage):
     def delete_tree(self, prefix: str = "") -> None:
         self.inner.delete_tree(prefix)
 
+    def sync(self, key: str = "") -> None:
+        self.inner.sync(key)
+
+    def stat_many(self, keys) -> dict[str, int | None]:
+        return self.inner.stat_many(keys)
+
+    # Without renames these are built from the primitives (run here, seen by the wrapper); a
+    # renaming backend's own (locks) run inside the inner storage.
+    def leftovers(self, referenced: Iterable[str] = ()) -> list[Leftover]:
+        if not self.inner.renames:
+            return Storage.leftovers(self, referenced)
+        return self.inner.leftovers(referenced)
+
+    def remove_leftover(self, leftover: Leftover) -> bool:
+        if not self.inner.renames:
+            return Storage.remove_leftover(self, leftover)
+        return self.inner.remove_leftover(leftover)
+
+    def lock_saves(self) -> SaveLock:
+        return self.inner.lock_saves()
+
     def open_arrays(self, arrays: dict[Any, tuple[str, ArraySpec]]) -> dict[Any, Any]:
         return self.inner.open_arrays(arrays)
 
@@ -93,15 +125,15 @@ class WrapperStorage(Storage):
         return self.inner.write_chunk(handle, box, data)
 
     def _wrapped(self, staged: Staged) -> Staged:
-        return Staged(self.wrap(staged.storage), staged.prefix, staged.info)
+        return dataclasses.replace(staged, storage=self.wrap(staged.storage))
 
     def _unwrapped(self, staged: Staged) -> Staged:
         inner = staged.storage.inner if isinstance(staged.storage, WrapperStorage) else staged.storage
-        return Staged(inner, staged.prefix, staged.info)
+        return dataclasses.replace(staged, storage=inner)
 
-    # The commit of a backend without renames is built from the primitives above, so it runs
-    # here, through the wrapper (which then sees the manifest write and every deletion); a
-    # renaming backend's commit is its own and runs inside the inner storage.
+    # The commit and abort are built from the primitives above (Storage.commit), so they run
+    # here, through the wrapper, which then sees every step; a renaming backend's staging,
+    # rename (publish) and retire are its own and run inside the inner storage.
 
     def stage(self, *, overwrite: bool) -> Staged:
         if not self.inner.renames:
@@ -113,16 +145,9 @@ class WrapperStorage(Storage):
             return Storage.staged_from(self, info)
         return self._wrapped(self.inner.staged_from(info))
 
-    def commit(self, staged: Staged, manifest: bytes, *, overwrite: bool,
-               old_data: Callable[[], Iterable[str]] | None = None) -> None:
-        if not self.inner.renames:
-            return Storage.commit(self, staged, manifest, overwrite=overwrite, old_data=old_data)
-        self.inner.commit(self._unwrapped(staged), manifest, overwrite=overwrite, old_data=old_data)
-
-    def abort(self, staged: Staged) -> None:
-        if not self.inner.renames:
-            return Storage.abort(self, staged)
-        self.inner.abort(self._unwrapped(staged))
+    def publish(self, staged: Staged, *, overwrite: bool) -> Storage | None:
+        displaced = self.inner.publish(self._unwrapped(staged), overwrite=overwrite)
+        return None if displaced is None else self.wrap(displaced)
 
     def retire(self) -> None:
         if not self.inner.renames:

@@ -1,0 +1,67 @@
+"""Where an Orbax checkpoint is: a PyTree item, a CheckpointManager step, or a CheckpointManager
+directory of steps (names ``<n>``, ``<prefix>_<n>`` or zero-padded; ``<name>.orbax-checkpoint-tmp-<k>``
+while Orbax writes one). Used by restore's dispatch, the CLI and the manager."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ckpt._errors import CheckpointError
+from ckpt.storage import MANIFEST_NAME, Storage
+
+PYTREE_METADATA = "_METADATA"  # a PyTree item
+STEP_METADATA = "_CHECKPOINT_METADATA"  # a CheckpointManager step (also beside a bare item)
+TMP_MARK = ".orbax-checkpoint-tmp"  # a step or item Orbax is still writing
+_STEP_NAME = re.compile(r"^(?:(.*)_)?(\d+)$")
+
+
+def _exists(storage: Storage, key: str) -> bool:
+    try:
+        return storage.exists(key)
+    except (OSError, CheckpointError):
+        return False
+
+
+def step_of(name: str) -> int | None:
+    """The step of an Orbax step directory name ('100', 'checkpoint_100', '00000100')."""
+    m = _STEP_NAME.match(name)
+    return int(m.group(2)) if m else None
+
+
+@dataclass(frozen=True)
+class OrbaxStep:
+    step: int
+    name: str
+    finished: bool  # not a temporary directory of a save in progress
+
+
+def scan_orbax_steps(storage: Storage) -> list[OrbaxStep]:
+    """The Orbax steps of a CheckpointManager directory, sorted by step (none if it is not one)."""
+    _, dirs = storage.list_dir("")
+    out = []
+    for name in dirs:
+        base, tmp, _ = name.partition(TMP_MARK)
+        step = step_of(base)
+        if step is None:
+            continue
+        if tmp or _exists(storage, f"{name}/{STEP_METADATA}"):
+            out.append(OrbaxStep(step, name, not tmp))
+    out.sort(key=lambda s: (s.step, s.name))
+    return out
+
+
+def kind_of(storage: Storage) -> str | None:
+    """'item', 'step', 'manager' for an Orbax location, None for anything else (a jax-ckpt
+    checkpoint included: its manifest is looked for first)."""
+    if _exists(storage, MANIFEST_NAME):
+        return None
+    if _exists(storage, PYTREE_METADATA):
+        return "item"
+    if _exists(storage, STEP_METADATA):
+        return "step"
+    try:
+        steps = scan_orbax_steps(storage)
+    except (OSError, CheckpointError):
+        return None
+    return "manager" if any(s.finished for s in steps) else None

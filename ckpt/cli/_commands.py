@@ -1,0 +1,176 @@
+"""The `verify`, `du` and `export` commands: their arguments and what they print."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+from ckpt._options import Options
+from ckpt.cli._style import console, progress_bar
+
+
+def _print(doc_or_text, *, as_json: bool = False, rich=None) -> None:
+    if as_json:
+        print(json.dumps(doc_or_text, indent=2))
+        return
+    con = console()
+    if con is not None and rich is not None:
+        con.print(rich(doc_or_text))
+    else:
+        print(doc_or_text)
+
+
+# ---- verify -----------------------------------------------------------------------------------
+
+def add_verify_arguments(c: argparse.ArgumentParser) -> None:
+    c.add_argument("--all", action="store_true",
+                   help="in a manager directory, verify every committed step (one progress bar)")
+    c.add_argument("--json", action="store_true", help="print one JSON document (problems included)")
+
+
+def _verify_text(report, root: str) -> str:
+    from ckpt.cli._render import human_bytes
+
+    rate = report.bytes / report.seconds if report.seconds > 0 else 0.0
+    lines = [f"verified {root}",
+             f"read {report.chunks} chunks of {report.arrays} arrays ({human_bytes(report.bytes)}) and checked "
+             f"{report.inline_arrays} inline arrays in {report.seconds:.2f} s ({human_bytes(rate)}/s)"]
+    lines += [f"BAD {p}" for p in report.problems]
+    lines.append("result: intact, every chunk matches its checksum" if report.intact else f"result: {_damage(report)}")
+    return "\n".join(lines)
+
+
+def _damage(report) -> str:
+    bad_chunks = sum(p.chunk is not None for p in report.problems)
+    bad_arrays = len({p.leaf for p in report.problems})
+    return (f"DAMAGED, {bad_chunks} bad chunk(s) and {len(report.problems) - bad_chunks} bad array "
+            f"metadata file(s) in {bad_arrays} array(s)")
+
+
+def cmd_verify(args, options: Options, open_checkpoint) -> int:
+    from ckpt.cli._locate import list_steps
+    from ckpt.cli._render import human_bytes
+    from ckpt.cli._verify import verify_checkpoints, verify_document
+    from ckpt.cli._views import colour_lines
+
+    if args.all and args.step is not None:
+        raise ValueError("--all verifies every step: drop --step")
+    if args.all:
+        from ckpt.storage import location_text
+
+        where = location_text(args.path)
+        rows = list_steps(args.path, options)
+        targets = [(r.step, open_checkpoint(r.path, None)) for r in rows if r.state == "committed"]
+        skipped = [r for r in rows if r.state != "committed"]
+    else:
+        targets, skipped = [(None, open_checkpoint(args.path, args.step))], []
+    bar = progress_bar(not args.no_progress, "verify")
+    try:
+        reports = verify_checkpoints([(o.storage, o.manifest) for _, o in targets], bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    corrupt = [r for r in skipped if r.state == "corrupt"]
+    intact = all(r.intact for r in reports) and not corrupt
+    if not args.all:
+        report, root = reports[0], targets[0][1].root
+        _print(verify_document(report, root) if args.json else _verify_text(report, root),
+               as_json=args.json, rich=colour_lines)
+        return 0 if intact else 1
+    if args.json:
+        _print({"path": where, "intact": intact,
+                "steps": [{"step": step, **verify_document(r, o.root)} for (step, o), r in zip(targets, reports)],
+                "not_verified": [{"step": r.step, "path": r.path, "state": r.state, "problem": r.problem}
+                                 for r in skipped]}, as_json=True)
+        return 0 if intact else 1
+    seconds = max([r.seconds for r in reports] + [0.0])
+    total = sum(r.bytes for r in reports)
+    lines = [f"verified {len(targets)} committed step(s) of {where}: {sum(r.chunks for r in reports)} chunks "
+             f"({human_bytes(total)}) in {seconds:.2f} s"]
+    for (step, o), r in zip(targets, reports):
+        state = "intact" if r.intact else _damage(r)
+        lines.append(f"step {step}: {r.chunks} chunks of {r.arrays} arrays, {r.inline_arrays} inline: {state}")
+        lines += [f"BAD {p}" for p in r.problems]
+    for r in skipped:
+        lines.append(f"step {r.step}: not verified, {r.state}" + (f" ({r.problem})" if r.problem else "")
+                     + f": {r.path}")
+    if intact:
+        lines.append(f"result: intact, every chunk of {len(targets)} step(s) matches its checksum")
+    else:
+        bad = [step for (step, _), r in zip(targets, reports) if not r.intact] + [r.step for r in corrupt]
+        lines.append(f"result: DAMAGED, step(s) {sorted(bad)}")
+    _print("\n".join(lines), rich=colour_lines)
+    return 0 if intact else 1
+
+
+# ---- du ---------------------------------------------------------------------------------------
+
+def _depth(text: str) -> int:
+    try:
+        depth = int(text)
+    except ValueError:
+        depth = 0
+    if depth < 1:
+        raise argparse.ArgumentTypeError(f"--depth must be at least 1, got {text!r}")
+    return depth
+
+
+def add_du_arguments(c: argparse.ArgumentParser, step_type, step_help: str) -> None:
+    c.add_argument("--depth", type=_depth, default=1, metavar="N",
+                   help="group by the first N key-path components (default 1: top-level subtrees)")
+    c.add_argument("--step", type=step_type, metavar="N", help=step_help)
+    c.add_argument("--json", action="store_true", help="print one JSON document")
+
+
+def cmd_du(args, opened) -> int:
+    from ckpt.cli._du import du_document, render_du, rich_du, usage
+
+    doc = du_document(usage(opened.manifest, args.depth), opened.root, args.depth)
+    _print(doc if args.json else render_du(doc), as_json=args.json, rich=lambda _: rich_du(doc))
+    return 0
+
+
+# ---- export -----------------------------------------------------------------------------------
+
+def add_export_arguments(c: argparse.ArgumentParser, step_type, step_help: str, size_type) -> None:
+    c.add_argument("out", metavar="OUT", help="local directory to write the files to (created if missing)")
+    c.add_argument("--format", choices=["safetensors"], default="safetensors",
+                   help="output format (default and only one so far: safetensors)")
+    c.add_argument("--shard-size", default="5GB", metavar="SIZE",
+                   help="most tensor bytes per file, as transformers reads max_shard_size: 5GB = 5*10^9, "
+                        "2GiB = 2*2^30 (default 5GB); larger exports get an index")
+    c.add_argument("--rename", action="append", default=[], metavar="PATTERN=REPLACEMENT",
+                   help="rename tensors with a regular expression (Python re.sub), applied in order after "
+                        "--rename-file; a name that becomes empty is dropped. Repeatable")
+    c.add_argument("--rename-file", metavar="FILE",
+                   help="JSON object from default names (key paths joined with '.') to names; null drops")
+    c.add_argument("--host-budget", type=size_type, metavar="SIZE",
+                   help="host memory for chunks in flight (default: Options.host_budget_bytes, 2 GiB)")
+    c.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
+    c.add_argument("--step", type=step_type, metavar="N", help=step_help)
+    c.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
+    c.add_argument("--json", action="store_true", help="print one JSON document (files, tensor -> file)")
+
+
+def cmd_export(args, open_checkpoint, options: Options) -> int:
+    from ckpt.cli._export import export_document, parse_shard_size, render_export, rename_from
+    from ckpt.safetensors import export
+
+    shard_size = parse_shard_size(args.shard_size)
+    rename = rename_from(args.rename, args.rename_file)
+    if args.host_budget is not None:
+        options = dataclasses.replace(options, host_budget_bytes=args.host_budget)
+    opened = open_checkpoint()
+    bar = progress_bar(not args.no_progress, "export")
+    try:
+        result = export(opened.root, args.out, shard_size=shard_size, rename=rename, overwrite=args.overwrite,
+                        options=options, progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    doc = export_document(result, os.path.abspath(args.out), opened.root)
+    _print(doc if args.json else render_export(doc), as_json=args.json)
+    return 0
+

