@@ -104,8 +104,20 @@ class SeaweedFS:
         self.endpoint = ""
         self.metrics_url = ""
 
-    def start(self) -> "SeaweedFS":
-        data = os.path.join(self.workdir, "data")
+    def start(self, attempts: int = 3) -> "SeaweedFS":
+        """Start the server; a start that dies (seen: a free port taken before weed bound it, a
+        raft "Not current leader" exit 255) is retried with fresh ports and data, up to
+        `attempts` times; the last failure is raised with the log's end."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(f"data{attempt}")
+            except ServerError:
+                if attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start_once(self, data_name: str) -> "SeaweedFS":
+        data = os.path.join(self.workdir, data_name)
         os.makedirs(data, exist_ok=True)
         config = os.path.join(self.workdir, "s3.json")
         with open(config, "w") as f:

@@ -209,8 +209,11 @@ def test_old_data_that_cannot_be_deleted_after_an_overwrite_only_warns(memory):
     (old,) = committed_generations(path)
     faults = Faults()
     faults.fail("delete_tree", io_error, when=lambda where, args: where.endswith("/" + old))
-    with pytest.warns(RuntimeWarning, match=f"could not be deleted.*{old}"):
+    with pytest.warns(RuntimeWarning) as warned:
         ckpt.save(path, _scaled_tree(mesh, 2), overwrite=True, options=faults.options())
+    assert [str(w.message).split(": [Errno")[0] for w in warned] == [
+        f"checkpoint {path} committed, but its previous data {path}/{old} could not be deleted",
+        f"could not remove leftovers of earlier saves in {path}"]
     assert faults.calls["delete_tree"] == 2
     (new,) = committed_generations(path)
     assert memory.names("c") == sorted([MANIFEST_NAME, new, old])

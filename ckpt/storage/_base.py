@@ -498,8 +498,25 @@ class Storage(ABC):
         now = self._judge(leftover.name)
         if not now.dead:
             return False
+        # A committed save writes its manifest before it removes its owner record, so a
+        # generation seen without an owner may be the data of a checkpoint that committed since
+        # this location was judged uncommitted: a generation the manifest here now mentions
+        # stays (at worst a crashed save's bytes are left behind; never a checkpoint's data
+        # deleted). Generations it does not mention (an overwritten checkpoint's) still go.
+        if leftover.name.startswith(GENERATION_MARK) and self._manifest_mentions(leftover.name):
+            return False
         self.delete_tree(leftover.name)
         return True
+
+    def _manifest_mentions(self, name: str) -> bool:
+        """Whether the manifest here (if any) holds the text `name` anywhere (a storage path in
+        it, so its generation is referenced); True when it cannot be read (keep, to be safe)."""
+        try:
+            return name.encode() in self.get(MANIFEST_NAME, max_bytes=1 << 30)
+        except FileNotFoundError:
+            return False
+        except (OSError, CheckpointError):
+            return True
 
     def remove_dead_leftovers(self, keep: Staged | None = None) -> list[str]:
         """Remove the dead leftovers of saves where saves to this location stage (the next save

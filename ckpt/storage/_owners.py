@@ -102,8 +102,9 @@ class LiveMark:
 def owner_gone(owner: dict, *, now: float | None = None, place: str | None = None) -> tuple[bool, str]:
     """(True, why) when the owning process provably no longer runs that save: it is this process
     and `place` is none of its saves in progress; on this machine (same boot), its pid is gone or
-    now belongs to a process started at another time; on another machine, when the record is
-    older than FOREIGN_OWNER_TTL_S. (False, why) otherwise."""
+    now belongs to a process started at another time; on this host before its last restart;
+    on another machine, when the record is older than FOREIGN_OWNER_TTL_S. (False, why)
+    otherwise."""
     now = time.time() if now is None else now
     pid, who = owner.get("pid"), owner_text(owner)
     boot = _boot_id()
@@ -126,6 +127,8 @@ def owner_gone(owner: dict, *, now: float | None = None, place: str | None = Non
         if start and owner.get("start") and start != owner.get("start"):
             return True, f"its owner ({who}) has exited (the pid now belongs to another process)"
         return False, f"a save in progress ({who})"
+    if boot and owner.get("host") == socket.gethostname() and owner.get("boot_id") and owner.get("boot_id") != boot:
+        return True, f"its owner ({who}) ran before this machine last started"
     age = now - owner["time"] if isinstance(owner.get("time"), (int, float)) else float("inf")
     if age > FOREIGN_OWNER_TTL_S:
         return True, f"its owner ({who}) last wrote {age / 3600:.0f} h ago"

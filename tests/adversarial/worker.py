@@ -234,6 +234,8 @@ class Runner:
         yield "restore verify=False", lambda: ckpt.restore(path, verify=False, options=opts)
         if full:
             yield "restore mesh", lambda: ckpt.restore(path, mesh=self.mesh, options=opts)
+            # Onto the pristine checkpoint's own values as the target (its structure, its dtypes).
+            yield "restore target", lambda: ckpt.restore(path, getattr(self, "expected", None), options=opts)
 
         def manager():
             m = ckpt.CheckpointManager(run, options=opts)
@@ -301,7 +303,9 @@ class Runner:
         tracemalloc.reset_peak()
         base = tracemalloc.get_traced_memory()[0]
         self.watch.recording = True
-        signal.alarm(CASE_TIMEOUT_S)
+        # Repeating: a hang in a pool thread would also hold the pool's shutdown; every few
+        # seconds a new Hang interrupts the main thread until it gets out.
+        signal.setitimer(signal.ITIMER_REAL, CASE_TIMEOUT_S, 2.0)
         result, raised = None, False
         self.refused = False
         started = time.perf_counter()
@@ -318,7 +322,7 @@ class Runner:
             self.sites.add(f"{type(e).__name__} at {site}")
             problem = f"{type(e).__name__}: {str(e)[:300]} (at {site})"
         finally:
-            signal.alarm(0)
+            signal.setitimer(signal.ITIMER_REAL, 0)
             self.watch.recording = False
             self.op_seconds[name] = self.op_seconds.get(name, 0.0) + time.perf_counter() - started
         peak = tracemalloc.get_traced_memory()[1] - base - _untrack_failed_numpy_allocation()
