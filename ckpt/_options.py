@@ -12,6 +12,9 @@ from typing import Any, Callable, Mapping, Union
 
 from ckpt._plan import PACK_LIMIT
 
+# The default chunk cap (issue 10): see docs/benchmarks.md for the measurement behind it.
+MAX_CHUNK_BYTES = 64 << 20
+
 EngineChoice = Union[str, Callable[[str, "Options"], Any], None]
 
 
@@ -67,6 +70,8 @@ class Options:
             are written by it as one chunk, many same-shaped ones together as a stack (formats/
             SPEC.md section 7.1), instead of one file per shard (``CKPT_PACK_LIMIT_BYTES``;
             default 1 MiB; ``0`` writes every array shard by shard).
+        max_chunk_bytes: the largest chunk a save writes: a shard bigger than this is split
+            evenly into chunks of at most this size (``CKPT_MAX_CHUNK_BYTES``; default 64 MiB).
     """
 
     engine: EngineChoice = None
@@ -76,6 +81,7 @@ class Options:
     host_budget_bytes: int | None = None
     staging_pool: bool | None = None
     pack_limit_bytes: int | None = None
+    max_chunk_bytes: int | None = None
 
     def resolved(self) -> "Options":
         """A copy with every default filled in (environment variables are read now).
@@ -99,6 +105,8 @@ class Options:
             else os.environ.get("CKPT_STAGING_POOL", "1") != "0",
             pack_limit_bytes=_non_negative("pack_limit_bytes", self.pack_limit_bytes)
             if self.pack_limit_bytes is not None else _env_int("CKPT_PACK_LIMIT_BYTES", PACK_LIMIT, minimum=0),
+            max_chunk_bytes=_positive("max_chunk_bytes", self.max_chunk_bytes)
+            if self.max_chunk_bytes is not None else _env_int("CKPT_MAX_CHUNK_BYTES", MAX_CHUNK_BYTES),
         )
 
 
