@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-adversarial-long docs bench clean
+.PHONY: demo test test-adversarial-long docs bench bench-memory clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m ckpt.bench --gib 2
+
+# Peak host memory of save and restore under a host budget, each measurement in a fresh process
+# (docs/benchmarks.md, "Host memory"; 15-30 minutes on the 2-core VM).
+bench-memory: $(STAMP)
+	$(PY) -m ckpt.bench --memory --gib 2 --runs 3
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache site

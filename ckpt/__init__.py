@@ -1,12 +1,14 @@
 """jax-ckpt: sharded checkpoints for JAX as plain Zarr v3 arrays plus a msgpack manifest.
 
 Public API:
-    save(path, tree, *, overwrite=False, options=None)
-    save_async(path, tree, *, overwrite=False, options=None) -> SaveHandle
+    save(path, tree, *, overwrite=False, options=None, host_budget_bytes=None, max_chunk_bytes=None)
+    save_async(path, tree, *, overwrite=False, options=None, host_budget_bytes=None,
+               max_chunk_bytes=None) -> SaveHandle
     restore(path, target=None, *, mesh=None, partial=False, verify=True, options=None)
     metadata(path, *, options=None)
     convert(src, dest, *, overwrite=False, options=None)   (an Orbax checkpoint -> jax-ckpt)
     CheckpointManager(directory, ..., options=None)
+    release_host_memory()   (free the staging buffers kept between saves)
     Options, ArrayMetadata, SaveHandle, CheckpointError, TreeMismatchError, ChecksumError
 
 Locations are local paths or URLs (file://, memory://, s3://, gs://, any fsspec URL); the
@@ -22,6 +24,7 @@ from ckpt._metadata import ArrayMetadata, metadata
 from ckpt._options import Options
 from ckpt._restore import restore
 from ckpt._save import SaveHandle, save, save_async
+from ckpt._staging import release_host_memory
 
 __all__ = [
     "ArrayMetadata",
@@ -33,6 +36,7 @@ __all__ = [
     "TreeMismatchError",
     "convert",
     "metadata",
+    "release_host_memory",
     "restore",
     "save",
     "save_async",

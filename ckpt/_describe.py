@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +59,50 @@ def _inline_record(rec: LeafRecord, host: np.ndarray) -> None:
     rec.storage = InlineStorage(_dtypes.to_storage(host).tobytes())
 
 
-def describe(leaf: FlatLeaf, process_count: int) -> Leaf:
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@functools.lru_cache(maxsize=1024)
+def chunk_shape_for(shard_shape: tuple[int, ...], itemsize: int, cap: int) -> tuple[int, ...]:
+    """The chunk shape of an array whose shards have `shard_shape`: the shard itself when it
+    holds at most `cap` bytes, else an even division of it into chunks of at most `cap` bytes.
+
+    Every chunk dimension divides the shard's, so each chunk lies inside one shard (one writer)
+    and all chunks of the array have one shape (a regular Zarr grid). Leading dimensions are split
+    first: a chunk is ``(1, ..., 1, c, shard[d+1], ..., shard[-1])`` with ``c`` a divisor of
+    ``shard[d]``, the largest such chunk of at most `cap` bytes (rows of the shard stay whole,
+    so a chunk is one contiguous run of the shard's memory when it is C-ordered). When
+    divisibility leaves only chunks far smaller than the cap (below cap/16, e.g. a 1-d shard of
+    prime length), the smallest even division larger than the cap (possibly the whole shard) is
+    taken instead: a chunk may then exceed `cap` (and such a chunk is staged alone when it
+    exceeds the host budget).
+    """
+    shape = tuple(int(n) for n in shard_shape)
+    total = math.prod(shape) * itemsize
+    if total <= cap or total == 0:
+        return shape
+    best_under: tuple[int, tuple] | None = None
+    best_over: tuple[int, tuple] | None = None
+    for d in range(len(shape)):
+        rest = math.prod(shape[d + 1:]) * itemsize  # bytes of one index along d, later dims whole
+        for c in _divisors(shape[d]):
+            nbytes = c * rest
+            candidate = (*(1,) * d, c, *shape[d + 1:])
+            if nbytes <= cap:
+                if best_under is None or nbytes > best_under[0]:
+                    best_under = (nbytes, candidate)
+            elif best_over is None or nbytes < best_over[0]:
+                best_over = (nbytes, candidate)
+    if best_under is not None and (best_under[0] * 16 >= cap or best_over is None):
+        return best_under[1]
+    return best_over[1] if best_over is not None else shape  # (a 0-d array)
+
+
+def describe(leaf: FlatLeaf, process_count: int, max_chunk_bytes: int | None = None) -> Leaf:
+    """What `leaf` is and how it is stored; array leaves get their chunk shape
+    (``chunk_shape_for`` the shard shape and `max_chunk_bytes`; None: the shard shape)."""
     v, path = leaf.value, leaf.path
     rec = LeafRecord(path=path, kind="")
     if isinstance(v, jax.core.Tracer):
@@ -80,6 +124,8 @@ def describe(leaf: FlatLeaf, process_count: int) -> Leaf:
             _inline_record(rec, np.asarray(full))
             return Leaf(rec)
         chunk = tuple(data.sharding.shard_shape(data.shape))
+        if max_chunk_bytes is not None:
+            chunk = chunk_shape_for(chunk, data.dtype.itemsize, max_chunk_bytes)
         return Leaf(rec, data, chunk, np.dtype(data.dtype))
     if isinstance(v, (np.ndarray, np.generic)):
         a = np.asarray(v)
@@ -94,7 +140,10 @@ def describe(leaf: FlatLeaf, process_count: int) -> Leaf:
         if a.nbytes <= INLINE_LIMIT:
             _inline_record(rec, a)
             return Leaf(rec)
-        return Leaf(rec, a, a.shape, a.dtype)
+        chunk = tuple(a.shape)
+        if max_chunk_bytes is not None:
+            chunk = chunk_shape_for(chunk, a.dtype.itemsize, max_chunk_bytes)
+        return Leaf(rec, a, chunk, a.dtype)
     if isinstance(v, bool):
         rec.kind, rec.value = PY_BOOL, v
     elif isinstance(v, int):
@@ -174,5 +223,6 @@ def array_shards(leaves: list[Leaf]) -> list[ArrayShards]:
                     holders.setdefault(index_to_box(idx, src.shape), []).append((d.process_index, d.id))
                 cache[key] = holders
             holders = cache[key]
-        out.append(ArrayShards(i, src.dtype.itemsize, holders, tuple(leaf.record.shape), leaf.record.dtype))
+        out.append(ArrayShards(i, src.dtype.itemsize, holders, tuple(leaf.record.shape), leaf.record.dtype,
+                               tuple(leaf.chunk_shape)))
     return out

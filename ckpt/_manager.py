@@ -1,105 +1,58 @@
 """CheckpointManager: one checkpoint per training step in a directory, saved in the background,
 with retention, resume and crash safety.
 
-Every step is a plain checkpoint at ``<directory>/step_<8+ digits>`` that ``ckpt.restore`` and
-``ckpt.metadata`` open directly; the directory may be any location (docs/storage.md). A step is
-committed once its manifest exists (formats/SPEC.md sections 9-10), so ``all_steps()`` lists the
-directory and checks for manifests; ``.tmp-`` directories (local disk) and step prefixes without
-a manifest (elsewhere) are saves in progress, saves that never committed, or steps half-deleted.
+Every step is a plain checkpoint at ``<directory>/step_<8+ digits>`` (``StepNaming``: other
+names on request, e.g. Orbax's bare ``<step>``) that ``ckpt.restore`` and ``ckpt.metadata`` open
+directly; the directory may be any location (docs/storage.md). A step is committed once its
+manifest exists (formats/SPEC.md sections 9-10), so ``all_steps()`` lists the directory and
+checks for manifests; ``.tmp-`` directories (local disk) and step prefixes without a manifest
+(elsewhere) are saves in progress, saves that never committed, or steps half-deleted. Finished
+Orbax steps (``<step>/_CHECKPOINT_METADATA``) in the directory are steps too, restored through
+``ckpt.restore``'s Orbax reader.
 
 Opening a manager, listing, restoring and reading metadata never change the directory: another
-process may be saving there. Only a manager that saves (process 0) deletes anything: it claims
-the directory (``Storage.lock_saves``: a second saving manager gets a CheckpointError naming the
-first), and after each commit removes old steps under its retention policy and the leftovers of
-saves that provably died (``Storage.leftovers``), never a save in progress.
+process may be saving there. Only a manager that saves (process 0, not ``read_only``) deletes
+anything: it claims the directory (``Storage.lock_saves``: a second saving manager gets a
+CheckpointError naming the first), and after each commit removes old steps under its retention
+policy (``ckpt._retention``) and the leftovers of saves that provably died
+(``Storage.leftovers``), never a save in progress.
 
 Multi-process jobs: every process creates a manager on the same shared directory and calls the
 same methods in the same order. Decisions every process must agree on (``should_save``, whether
-``save`` starts a save, when a background failure is raised) depend only on that call sequence
-and on the directory as it was when the manager opened, never on timing. Only process 0
-deletes: old steps after each commit and leftovers of dead saves.
+``save`` starts a save, when a background failure is raised) depend only on that call sequence,
+on JAX's preemption sync point (the same on every process) and on the directory as it was when
+the manager opened (or was last ``reload``-ed), never on timing. Retention depends only on
+step numbers, metrics and save times stored in the manifests; only process 0 deletes.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import errno
-import operator
 import threading
+import time
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable
 
 import jax
-import msgpack
 
+from ckpt import _preemption
 from ckpt._commit import read_manifest
 from ckpt._errors import CheckpointError
+from ckpt._items import restore_item
+from ckpt._manager_steps import StepDirectory
+from ckpt._manager_args import METADATA_LIMIT_BYTES, as_step, check_best, check_count, check_interval, snapshot_metadata
 from ckpt._options import Options, resolve
+from ckpt._orbax_steps import step_record
 from ckpt._restore import restore as _restore
+from ckpt._retention import METRICS_KEY, best_step, check_metrics, score, steps_to_delete
 from ckpt._save import SaveHandle, start_save
-from ckpt._steps import scan_steps, step_dir_name
-from ckpt.storage import MANIFEST_NAME, Storage, is_temp_name, open_storage
+from ckpt._steps import StepNaming
+from ckpt.storage import Storage, open_storage
 from ckpt.storage._base import NotDurableError, SaveLock
 
-# Metadata travels inside the manifest, which every restore reads whole.
-METADATA_LIMIT_BYTES = 1 << 20
-
-
-def steps_to_delete(committed: list[int], max_to_keep: int | None, keep_every_n_steps: int | None) -> list[int]:
-    """The committed steps retention removes: all but the newest `max_to_keep` and the
-    multiples of `keep_every_n_steps`. The newest step is always kept."""
-    if max_to_keep is None or not committed:
-        return []
-    ordered = sorted(set(committed))
-    keep = set(ordered[-max(max_to_keep, 1):])
-    if keep_every_n_steps:
-        keep.update(s for s in ordered if s % keep_every_n_steps == 0)
-    return [s for s in ordered if s not in keep]
-
-
-def _check_count(name: str, value: int | None, *, optional: bool) -> int | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer{' or None' if optional else ''}, got {value!r}")
-    return value
-
-
-def _as_step(step: Any) -> int:
-    if isinstance(step, bool):
-        raise TypeError(f"step must be an integer, got {step!r}")
-    try:
-        value = operator.index(step)
-    except TypeError:
-        raise TypeError(f"step must be an integer, got {type(step).__name__} {step!r}") from None
-    if value < 0:
-        raise ValueError(f"step must be >= 0, got {value}")
-    return value
-
-
-def _snapshot_metadata(step: int, metadata: dict | None) -> dict | None:
-    """A private copy of `metadata` as it will be stored, or a clear error naming the key."""
-    if metadata is None:
-        return None
-    if not isinstance(metadata, dict):
-        raise TypeError(f"metadata for step {step} must be a dict, got {type(metadata).__name__}")
-    for key, value in metadata.items():
-        if not isinstance(key, str):
-            raise CheckpointError(f"metadata for step {step}: key {key!r} is not a string")
-        try:
-            msgpack.packb(value, use_bin_type=True)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise CheckpointError(
-                f"metadata for step {step}: value of {key!r} ({type(value).__name__}) cannot be stored: {e}; "
-                "use None, bool, int, float, str, bytes, lists and dicts (convert numpy/jax scalars with float() or int())"
-            ) from None
-    packed = msgpack.packb(metadata, use_bin_type=True)
-    if len(packed) > METADATA_LIMIT_BYTES:
-        raise CheckpointError(
-            f"metadata for step {step} is {len(packed)} bytes; the limit is {METADATA_LIMIT_BYTES}: "
-            "save large values as leaves of the tree instead"
-        )
-    return msgpack.unpackb(packed, raw=False, strict_map_key=False)
+__all__ = ["CheckpointManager", "METADATA_LIMIT_BYTES", "steps_to_delete"]
+_as_step = as_step
 
 
 class _Pending:
@@ -120,79 +73,156 @@ class CheckpointManager:
     CheckpointError naming the first. After each commit, process 0 removes old steps
     (retention) and the leftovers of saves that provably died, never a save in progress. One
     manager per directory per job; its methods are meant to be called from one thread. Use it
-    as a context manager, or call ``close()``.
+    as a context manager, or call ``close()``. docs/migrating-from-orbax.md maps Orbax's
+    CheckpointManager options and calls to these.
 
     Args:
         directory (str | os.PathLike): any location ``ckpt.save`` accepts (a local path,
-            ``s3://``, ``gs://``...); created by the first save if missing.
-        max_to_keep: after each commit, keep only the newest this many steps, plus every step
-            divisible by `keep_every_n_steps`; None keeps all. The newest committed step is
-            never deleted, and deletion runs in the background.
+            ``s3://``, ``gs://``...); created by the first save if missing. Orbax steps already
+            there are listed and restored like the others.
+        max_to_keep: after each commit, keep only this many steps (the newest; with `best_fn`,
+            the best), plus those `keep_every_n_steps` and `keep_time_interval` keep; None
+            keeps all. The newest committed step is never deleted; deletion runs in the
+            background.
         keep_every_n_steps: also keep every step divisible by this.
-        save_interval_steps: ``should_save(step)`` is True for multiples of it.
+        keep_time_interval (datetime.timedelta | float): also keep one step per this much save
+            time (seconds), judged by the save times stored in the manifests: oldest first, a
+            step saved at least this long after the last step kept this way is kept.
+        best_fn: ``metrics dict -> number``; with it `max_to_keep` keeps the best steps by the
+            metrics given to ``save(..., metrics=)``, and ``best_step()`` names the best.
+        best_mode: ``"min"`` (smaller `best_fn` is better, e.g. a loss) or ``"max"``.
+        keep_checkpoints_without_metrics: with `best_fn`, also keep steps saved without
+            metrics (otherwise they are deleted first).
+        save_interval_steps: ``should_save(step)`` is True for multiples of it (and for the
+            first step saved in an empty directory, and at a preemption).
         async_save: ``save`` returns once the state is copied to host memory (the arrays may then
             be donated); with False it returns once the step is committed.
+        read_only: never save nor delete, take no lock (``save`` and ``delete`` raise).
+        step_prefix: step directories are ``<step_prefix>_<step>``; None: the bare step
+            (Orbax's default).
+        step_format_fixed_length: zero-pad the step to this many digits; None: no padding.
+        save_on_preemption: at a preemption notice (JAX's preemption sync point; SIGTERM in a
+            single-process job, watched from the first save on, from the main thread), ``save``
+            saves that step whatever the interval and waits for its commit; a SIGTERM is then
+            handed on to the handler that was installed before (by default the process ends).
+        host_budget_bytes: ``Options.host_budget_bytes`` of every save and restore.
+        max_chunk_bytes: ``Options.max_chunk_bytes`` of every save.
         options: engine, concurrency and memory settings for every save and restore
             (``ckpt.Options``), read once, now.
 
     Raises:
-        ValueError: a count is not a positive integer, or an option is invalid.
-        TypeError: `options` is not a ``ckpt.Options``.
+        ValueError: a count is not a positive integer, `best_mode` is not min/max, a naming
+            argument or an option is invalid.
+        TypeError: `options` is not a ``ckpt.Options``, `best_fn` is not callable, or
+            `keep_time_interval` is neither a timedelta nor a number.
         OSError: the storage failed.
     """
 
     def __init__(self, directory, *, max_to_keep: int | None = None, keep_every_n_steps: int | None = None,
-                 save_interval_steps: int = 1, async_save: bool = True, options: Options | None = None) -> None:
+                 keep_time_interval: Any = None, best_fn: Callable[[dict], Any] | None = None,
+                 best_mode: str = "min", keep_checkpoints_without_metrics: bool = True,
+                 save_interval_steps: int = 1, async_save: bool = True, read_only: bool = False,
+                 step_prefix: str | None = "step", step_format_fixed_length: int | None = 8,
+                 save_on_preemption: bool = True, host_budget_bytes: int | None = None,
+                 max_chunk_bytes: int | None = None, options: Options | None = None) -> None:
+        if options is not None and not isinstance(options, Options):
+            raise TypeError(f"options must be a ckpt.Options, got {type(options).__name__}")
+        budgets = {k: v for k, v in (("host_budget_bytes", host_budget_bytes), ("max_chunk_bytes", max_chunk_bytes))
+                   if v is not None}
+        if budgets:
+            options = dataclasses.replace(options or Options(), **budgets)
         self.options = resolve(options)
+        self.naming = StepNaming(step_prefix, step_format_fixed_length)
+        self.max_to_keep = check_count("max_to_keep", max_to_keep, optional=True)
+        self.keep_every_n_steps = check_count("keep_every_n_steps", keep_every_n_steps, optional=True)
+        self.keep_time_interval = check_interval(keep_time_interval)
+        check_best(best_fn, best_mode)
+        self.best_fn, self.best_mode = best_fn, best_mode
+        self.keep_checkpoints_without_metrics = bool(keep_checkpoints_without_metrics)
+        self.save_interval_steps = check_count("save_interval_steps", save_interval_steps, optional=False)
+        self.async_save = bool(async_save)
+        self.read_only = bool(read_only)
         self.storage: Storage = open_storage(directory, self.options)
         self.directory = self.storage.url
-        self.max_to_keep = _check_count("max_to_keep", max_to_keep, optional=True)
-        self.keep_every_n_steps = _check_count("keep_every_n_steps", keep_every_n_steps, optional=True)
-        self.save_interval_steps = _check_count("save_interval_steps", save_interval_steps, optional=False)
-        self.async_save = bool(async_save)
-        self._deletes = jax.process_index() == 0
+        self._deletes = jax.process_index() == 0 and not self.read_only
         self._saver_lock: SaveLock | None = None  # taken by the first save (process 0)
         self._closed = False
         self._pending: _Pending | None = None
         self._threads: list[threading.Thread] = []
         self._background_lock = threading.Lock()  # one deleter at a time
-        self._pin_lock = threading.Lock()
-        self._pinned: dict[int, int] = {}  # step -> restores/metadata reads in progress
-        self._deleting: set[int] = set()  # steps retention is deleting now
-        entries = scan_steps(self.storage)
-        # Steps saved, or being saved, as far as this manager knows. Deliberately not re-listed
-        # later: every process of a job must make the same decisions.
-        self._known_steps = {e.step for e in entries if e.committed}
-        self._last_step = max(self._known_steps, default=None)
+        self._steps = StepDirectory(self.storage, self.naming)
+        self._preemption: tuple[int, bool] | None = None  # (step, answer) of the last sync point
+        # SIGTERM is watched from the first save on (a manager that only reads never defers it).
+        self._watch_sigterm = bool(save_on_preemption) and not self.read_only and jax.process_count() == 1
+        self._watching = False
+        self.reload()
 
     # ---- queries -------------------------------------------------------------------------
+
+    def reload(self) -> None:
+        """Read the directory's steps again (steps another process saved or deleted since this
+        manager opened); ``should_save`` and ``save`` decide from what it finds. In a
+        multi-process job call it on every process at the same point.
+
+        Raises:
+            OSError: the storage failed.
+        """
+        # Steps saved, or being saved, as far as this manager knows. Deliberately not re-listed
+        # except here: every process of a job must make the same decisions.
+        self._known_steps = set(self._steps.scan())
+        pending = self._pending
+        if pending is not None and not pending.finished.is_set():
+            self._known_steps.add(pending.step)
+        self._last_step = max(self._known_steps, default=None)
 
     def all_steps(self) -> list[int]:
         """The committed steps, listed from storage now.
 
         Returns:
-            The step numbers whose manifest exists, sorted.
+            The step numbers whose manifest exists (or Orbax steps that finished), sorted.
         """
-        return [e.step for e in scan_steps(self.storage) if e.committed]
+        return sorted(self._steps.scan())
 
     def latest_step(self) -> int | None:
-        """The newest committed step.
+        """The newest committed step whose manifest is whole.
+
+        A step whose manifest is damaged is skipped with a RuntimeWarning naming it (once per
+        manager); manifests are read from the newest step down until one is whole.
 
         Returns:
-            The largest committed step number, or None when there is none.
+            The largest such step number, or None when there is none.
         """
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+        steps = self._steps.scan()
+        for step in sorted(steps, reverse=True):
+            if self._steps.manifest_ok(steps[step]):
+                return step
+        return None
+
+    def best_step(self) -> int | None:
+        """The committed step whose metrics score best under `best_fn` (the newest among
+        equals); without `best_fn`, the latest step.
+
+        Returns:
+            The step number, or None when no committed step has metrics `best_fn` can score.
+        """
+        if self.best_fn is None:
+            return self.latest_step()
+        steps = self._steps.scan()
+        return best_step(list(steps), {s: self._steps.facts_of(m) for s, m in steps.items()}, self.best_fn, self.best_mode)
 
     def should_save(self, step: int) -> bool:
         """Whether ``save(step, ...)`` would save.
+
+        Call it (or ``save``) at every step on every process: it asks JAX's preemption sync
+        point, which needs that.
 
         Args:
             step: the training step, an integer >= 0.
 
         Returns:
-            True when `step` is a multiple of save_interval_steps and newer than every step
-            already saved (or being saved) here.
+            True when `step` is newer than every step already saved (or being saved) here and
+            is the first step of an empty directory, or a preemption was signalled
+            (``reached_preemption``), or a multiple of save_interval_steps.
 
         Raises:
             TypeError: `step` is not an integer.
@@ -201,32 +231,40 @@ class CheckpointManager:
         step = _as_step(step)
         if self._last_step is not None and step <= self._last_step:
             return False
-        return step % self.save_interval_steps == 0
+        preempted = self.reached_preemption(step)
+        return self._last_step is None or preempted or step % self.save_interval_steps == 0
 
     def reached_preemption(self, step: int) -> bool:
         """Whether the job was asked to stop and every process has reached `step`.
 
-        Call it at every step, on every process (JAX's preemption sync point requires it). When
-        it returns True, save with ``save(step, tree, force=True)`` and stop.
+        Call it at every step, on every process (JAX's preemption sync point requires it); the
+        answer for a step is asked once and remembered. ``save`` asks it too and saves when it
+        is True; stop training after that save.
 
         Args:
             step: the training step, an integer >= 0.
 
         Returns:
             True when JAX's preemption sync point says every process reached `step` after a
-            preemption notice; False otherwise, and when the preemption service is not running
-            (e.g. without jax.distributed).
+            preemption notice, or (``save_on_preemption``) this single-process job received
+            SIGTERM and it has not been handed on yet; False otherwise.
 
         Raises:
             TypeError: `step` is not an integer.
             ValueError: `step` is negative.
         """
+        step = _as_step(step)
+        if self._preemption is not None and self._preemption[0] == step:
+            return self._preemption[1]
         from jax.experimental import multihost_utils
 
         try:
-            return bool(multihost_utils.reached_preemption_sync_point(_as_step(step)))
+            answer = bool(multihost_utils.reached_preemption_sync_point(step))
         except RuntimeError:  # no preemption sync manager in this job
-            return False
+            answer = False
+        answer = answer or (self._watching and _preemption.received())
+        self._preemption = (step, answer)
+        return answer
 
     def step_path(self, step: int) -> str:
         """Where `step` is (or would be) stored.
@@ -242,68 +280,139 @@ class CheckpointManager:
             TypeError: `step` is not an integer.
             ValueError: `step` is negative.
         """
-        return self.storage.where(step_dir_name(_as_step(step)))
+        return self.storage.where(self._steps.name_of(_as_step(step)))
+
+    def is_saving_in_progress(self) -> bool:
+        """Whether a save this manager started has not finished yet (never blocks).
+
+        Returns:
+            True while the step last saved is still being written or committed.
+        """
+        pending = self._pending
+        return pending is not None and not pending.finished.is_set()
 
     # ---- save ----------------------------------------------------------------------------
 
-    def save(self, step: int, tree: Any, *, force: bool = False, metadata: dict | None = None) -> bool:
+    def save(self, step: int, tree: Any, *, force: bool = False, metadata: dict | None = None,
+             metrics: dict | None = None) -> bool:
         """Save `tree` as `step` if ``should_save(step)`` or `force`.
 
         A step already saved (or being saved) here is never saved again. Waits for the previous
         save to commit first. With ``async_save`` (the default) it returns once the host copies
-        are taken; the write, the commit and retention run in the background.
+        are taken; the write, the commit and retention run in the background. At a preemption
+        (``reached_preemption(step)``) it saves whatever the interval and returns once the step
+        is committed (then a SIGTERM is handed on: see ``save_on_preemption``).
 
         Args:
             step: the training step, an integer >= 0.
-            tree: the pytree to save, as for ``ckpt.save``.
-            force: save even when ``should_save(step)`` is False (e.g. at preemption).
-            metadata: a small msgpack-able dict (metrics, data-loader position; at most 1 MiB
-                packed) stored with the step; ``metadata(step)`` returns it (tuples come back as
-                lists).
+            tree: the pytree to save, as for ``ckpt.save``. A dict's top-level keys are the
+                step's items (``restore(step, item=...)`` restores one alone).
+            force: save even when ``should_save(step)`` is False.
+            metadata: a small msgpack-able dict (data-loader position...; at most 1 MiB packed)
+                stored with the step; ``metadata(step)`` returns it (tuples come back as lists).
+            metrics: a dict of numbers or strings (0-d numpy / jax values are converted), stored
+                with the step; ``metrics(step)`` returns it; `best_fn` ranks steps by it.
 
         Returns:
             Whether a save started.
 
         Raises:
             CheckpointError: the previous save failed in the background (raised once, with the
-                original error as ``__cause__``), a leaf cannot be saved, `metadata` cannot be
-                stored (naming the key), the manager is closed, or another manager is saving to
-                the directory (naming it).
+                original error as ``__cause__``), a leaf cannot be saved, `metadata` or
+                `metrics` cannot be stored (naming the key), the manager is closed or
+                read-only, or another manager is saving to the directory (naming it).
             NotADirectoryError: `directory` is a file.
-            TypeError: `step` is not an integer or `metadata` is not a dict.
-            ValueError: `step` is negative.
+            TypeError: `step` is not an integer or `metadata` / `metrics` is not a dict.
+            ValueError: `step` is negative, or `best_fn` fails on `metrics`.
         """
         self._check_open()
+        if self.read_only:
+            raise CheckpointError(f"checkpoint manager for {self.directory} is read-only: it does not save")
         step = _as_step(step)
-        if not (force or self.should_save(step)) or step in self._known_steps:
+        if step in self._known_steps or not (self.should_save(step) or force):
             return False
-        stored = _snapshot_metadata(step, metadata)
+        metrics = check_metrics(step, metrics)
+        if metrics is not None and self.best_fn is not None:
+            score(self.best_fn, metrics, step)  # fails here, naming the step, not in retention later
+        stored = snapshot_metadata(step, metadata, metrics)
         self._finish_pending()
         if self._deletes and self._saver_lock is None:
             self.storage.make_dirs()
             self._saver_lock = self.storage.lock_saves()
-        path = self.step_path(step)
-        handle = start_save(self.storage.child(step_dir_name(step)), tree, user_metadata=stored, options=self.options)
-        pending = _Pending(step, path, handle)
+        if self._watch_sigterm and not self._watching:
+            self._watching = _preemption.watch(self)
+        name = self.naming.name(step)
+        handle = start_save(self.storage.child(name), tree, user_metadata=stored, options=self.options)
+        pending = _Pending(step, self.storage.where(name), handle)
         self._pending = pending
         self._known_steps.add(step)
         self._last_step = step if self._last_step is None else max(self._last_step, step)
         self._start_background(self._finish_save, pending, name=f"ckpt-manager-step-{step}")
-        if not self.async_save:
+        if not self.async_save or self.reached_preemption(step):
             self._finish_pending()
+            if self._watching and self.reached_preemption(step):
+                self._watching = False
+                _preemption.hand_on()  # the step is committed: let SIGTERM do what it did before
         return True
 
-    def wait(self) -> None:
+    def delete(self, step: int) -> None:
+        """Delete a committed step now: its manifest (or Orbax's ``_CHECKPOINT_METADATA``)
+        first, then its data, so no moment shows a half-deleted step as committed. Waits for
+        the save of that step if it is in flight. In a multi-process job every process calls
+        it; process 0 deletes.
+
+        Args:
+            step: the step number, an integer >= 0.
+
+        Raises:
+            FileNotFoundError: `step` is not a committed step.
+            CheckpointError: the manager is closed or read-only, or the step is being restored.
+            OSError: the storage failed (the step may be left in place, still committed).
+        """
+        self._check_open()
+        if self.read_only:
+            raise CheckpointError(f"checkpoint manager for {self.directory} is read-only: it does not delete")
+        step = _as_step(step)
+        if self._pending is not None and self._pending.step == step:
+            self._finish_pending()
+        with self._background_lock:  # retention is not deleting meanwhile
+            entry = self._steps.scan().get(step)
+            if entry is None:
+                raise FileNotFoundError(errno.ENOENT, f"step {step} is not a committed checkpoint here "
+                                        f"(committed steps: {self.all_steps()})", self.step_path(step))
+            if self._deletes and not self._steps.retire(entry):
+                raise CheckpointError(f"step {step} is being restored; delete it afterwards")
+        self._known_steps.discard(step)
+        self._last_step = max(self._known_steps, default=None)
+
+    def wait(self, timeout: float | None = None) -> None:
         """Block until the save in flight has committed and background deletions are done.
 
         On processes other than 0, deletions process 0 makes may still be under way.
 
+        Args:
+            timeout: seconds to wait at most; None waits as long as it takes.
+
         Raises:
             CheckpointError: the save in flight failed (nothing committed for that step).
+            TimeoutError: still running after `timeout` seconds (it goes on; call again).
         """
+        deadline = None if timeout is None else time.monotonic() + max(float(timeout), 0.0)
+
+        def left() -> float | None:
+            return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+        pending = self._pending
+        if pending is not None and not pending.finished.wait(left()):
+            raise TimeoutError(f"saving step {pending.step} to {pending.path} still running after {timeout} s")
         self._finish_pending()
         while self._threads:
-            self._threads.pop(0).join()
+            thread = self._threads[0]
+            thread.join(left())
+            if thread.is_alive():
+                raise TimeoutError(f"background work of the checkpoint manager for {self.directory} "
+                                   f"still running after {timeout} s")
+            self._threads.pop(0)
 
     def close(self) -> None:
         """Wait for everything in the background, then refuse further saves.
@@ -319,6 +428,9 @@ class CheckpointManager:
             self._closed = True
             if self._saver_lock is not None:
                 self._saver_lock.release()
+            if self._watching:
+                self._watching = False
+                _preemption.unwatch(self)
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -335,26 +447,40 @@ class CheckpointManager:
     # ---- restore -------------------------------------------------------------------------
 
     def restore(self, step: int | None = None, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
-                partial: bool = False) -> Any:
-        """``ckpt.restore`` of a step; retention leaves the step alone while it is read.
+                partial: bool = False, verify: bool = True, options: Options | None = None,
+                item: str | None = None) -> Any:
+        """``ckpt.restore`` of a step (or of one item of it); retention leaves the step alone
+        while it is read.
 
         Args:
-            step: the step to restore; None: the latest committed step.
-            target: as for ``ckpt.restore``.
+            step: the step to restore; None: ``latest_step()`` (the newest with a whole
+                manifest).
+            target: as for ``ckpt.restore`` (with `item`: a target for that item).
             mesh: as for ``ckpt.restore``.
             partial: as for ``ckpt.restore``.
+            verify: as for ``ckpt.restore``.
+            options: settings of this restore; None: the manager's.
+            item: restore only this top-level key of the saved tree (an Orbax step's
+                ``<step>/<item>/``), reading only the chunks its arrays need.
 
         Returns:
-            The restored tree, as ``ckpt.restore`` returns it.
+            The restored tree (or item), as ``ckpt.restore`` returns it.
 
         Raises:
             FileNotFoundError: no committed checkpoint in the directory, or `step` is not a
                 committed step (the message lists the committed ones).
+            KeyError: the step has no item `item` (the message lists its items).
             CheckpointError: as for ``ckpt.restore``.
             TreeMismatchError: as for ``ckpt.restore``.
         """
-        with self._pinned_step(step) as location:
-            return _restore(location, target, mesh=mesh, partial=partial, options=self.options)
+        opts = self.options if options is None else options
+        with self._pinned_step(step) as (location, entry):
+            if options is not None:  # opened again with these options (their engine included)
+                location = open_storage(location.url, resolve(options))
+            if item is not None:
+                return restore_item(location, item, target, orbax=entry.orbax, mesh=mesh, partial=partial,
+                                    verify=verify, options=opts)
+            return _restore(location, target, mesh=mesh, partial=partial, verify=verify, options=opts)
 
     def metadata(self, step: int | None = None) -> dict:
         """The metadata dict saved with a step.
@@ -363,16 +489,41 @@ class CheckpointManager:
             step: the step; None: the latest committed step.
 
         Returns:
-            The dict given to ``save(..., metadata=)``; {} when none was given.
+            The dict given to ``save(..., metadata=)``; {} when none was given (and for Orbax
+            steps).
 
         Raises:
             FileNotFoundError: no committed checkpoint in the directory, or `step` is not a
                 committed step.
             CheckpointError: the step's manifest is damaged.
         """
-        with self._pinned_step(step) as location:
+        with self._pinned_step(step) as (location, entry):
+            if entry.orbax:
+                return {}
             stored = read_manifest(location).user_metadata
-        return {} if stored is None else stored
+        return {k: v for k, v in (stored or {}).items() if k != METRICS_KEY}
+
+    def metrics(self, step: int | None = None) -> dict | None:
+        """The metrics saved with a step (``save(..., metrics=)``; for an Orbax step, the
+        metrics Orbax stored).
+
+        Args:
+            step: the step; None: the latest committed step.
+
+        Returns:
+            The metrics dict, or None when the step was saved without metrics.
+
+        Raises:
+            FileNotFoundError: no committed checkpoint in the directory, or `step` is not a
+                committed step.
+            CheckpointError: the step's manifest is damaged.
+        """
+        with self._pinned_step(step) as (location, entry):
+            if entry.orbax:
+                return step_record(location)[0]
+            stored = read_manifest(location).user_metadata or {}
+        metrics = stored.get(METRICS_KEY)
+        return dict(metrics) if isinstance(metrics, dict) else None
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -417,69 +568,42 @@ class CheckpointManager:
                 self._remove_leftovers()
 
     def _apply_retention(self) -> None:
-        committed = self.all_steps()
-        for step in steps_to_delete(committed, self.max_to_keep, self.keep_every_n_steps):
+        try:
+            steps = self._steps.scan()
+            facts = ({s: self._steps.facts_of(e) for s, e in steps.items()}
+                     if self.best_fn is not None or self.keep_time_interval is not None else {})
+        except (OSError, CheckpointError) as e:
+            warnings.warn(f"checkpoint manager could not list the steps of {self.directory}: {e}",
+                          RuntimeWarning, stacklevel=1)
+            return
+        doomed = steps_to_delete(list(steps), self.max_to_keep, self.keep_every_n_steps, facts=facts,
+                                 best_fn=self.best_fn, best_mode=self.best_mode,
+                                 keep_checkpoints_without_metrics=self.keep_checkpoints_without_metrics,
+                                 keep_time_interval=self.keep_time_interval)
+        for step in doomed:
             try:
-                with self._pin_lock:
-                    if self._pinned.get(step):
-                        continue  # being read; a later commit deletes it
-                    self._deleting.add(step)
-                try:
-                    # The manifest goes first (or the directory is renamed away), so a crash never
-                    # leaves a half-deleted step that looks committed.
-                    self.storage.child(step_dir_name(step)).retire()
-                finally:
-                    with self._pin_lock:
-                        self._deleting.discard(step)
+                self._steps.retire(steps[step])  # a step being read is left; a later commit deletes it
             except OSError as e:
                 # Left in place (still committed and whole); the next commit retries.
                 warnings.warn(f"checkpoint manager could not delete step {step} in {self.directory}: {e}",
                               RuntimeWarning, stacklevel=1)
 
     def _remove_leftovers(self) -> None:
-        """Remove what saves that provably died left here. On local disk every commit already
-        removes dead temporary directories beside it (``Storage.commit``); elsewhere an
-        uncommitted step prefix holds generations, each judged by its owner record."""
-        if self.storage.renames:
-            return
         try:
-            for entry in scan_steps(self.storage):
-                if entry.committed or is_temp_name(entry.name):
-                    continue
-                step = self.storage.child(entry.name)
-                for leftover in step.leftovers():
-                    if leftover.dead:
-                        step.remove_leftover(leftover)
+            self._steps.remove_leftovers()
         except (OSError, CheckpointError) as e:
             warnings.warn(f"checkpoint manager could not remove leftovers in {self.directory}: {e}",
                           RuntimeWarning, stacklevel=1)
 
-    @contextlib.contextmanager
-    def _pinned_step(self, step: int | None) -> Iterator[Storage]:
+    def _pinned_step(self, step: int | None):
         """The storage of a committed step, which retention leaves alone until the block ends."""
         if step is None:
             step = self.latest_step()
             if step is None:
                 raise FileNotFoundError(errno.ENOENT, "no committed checkpoint in this directory", self.directory)
-        step = _as_step(step)
-        with self._pin_lock:
-            self._pinned[step] = self._pinned.get(step, 0) + 1
-            deleting = step in self._deleting
-        try:
-            location = self.storage.child(step_dir_name(step))
-            if deleting or not location.exists(MANIFEST_NAME):
-                raise FileNotFoundError(
-                    errno.ENOENT, f"step {step} is not a committed checkpoint here (committed steps: {self.all_steps()})",
-                    location.url,
-                )
-            yield location
-        finally:
-            with self._pin_lock:
-                self._pinned[step] -= 1
-                if not self._pinned[step]:
-                    del self._pinned[step]
+        return self._steps.pinned(_as_step(step))
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({self.directory!r}, max_to_keep={self.max_to_keep}, "
                 f"keep_every_n_steps={self.keep_every_n_steps}, save_interval_steps={self.save_interval_steps}, "
-                f"async_save={self.async_save})")
+                f"async_save={self.async_save}, read_only={self.read_only})")

@@ -31,7 +31,8 @@ class ArrayMetadata:
         mesh_axis_sizes: the sizes of those axes.
         partition_spec: the PartitionSpec it was saved with (``PartitionSpec()`` for a single
             device); None where there is none.
-        chunk_shape: the Zarr chunk shape (the saved shard shape, or the whole shape for a small
+        chunk_shape: the Zarr chunk shape (the saved shard shape, divided evenly where it exceeds
+            ``max_chunk_bytes``; or the whole shape for a small
             array written as one chunk or in a stack); None when stored inline (or for
             safetensors).
         nbytes: bytes of the stored data.

@@ -15,6 +15,48 @@ from ckpt._plan import PACK_LIMIT
 # The default chunk cap (issue 10): see docs/benchmarks.md for the measurement behind it.
 MAX_CHUNK_BYTES = 64 << 20
 
+# host_budget_bytes="unlimited" (or CKPT_HOST_BUDGET_BYTES=unlimited) resolves to this: more
+# bytes than any host has, so every comparison with it passes.
+UNLIMITED = 1 << 62
+# The default host budget when CKPT_HOST_BUDGET_BYTES is unset: this fraction of the host's
+# physical memory (a training host's RAM is mostly the job's; a quarter leaves the rest to it).
+DEFAULT_BUDGET_FRACTION = 4
+FALLBACK_BUDGET = 2 << 30  # where the physical memory cannot be read
+# The smallest chunk cap a small budget leads to (a page: staging buffers are whole pages).
+MIN_CHUNK_CAP = 4096
+
+
+def default_host_budget() -> int:
+    """A quarter of the host's physical memory (os.sysconf), or 2 GiB where that is unknown."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return FALLBACK_BUDGET
+    return total // DEFAULT_BUDGET_FRACTION if total > 0 else FALLBACK_BUDGET
+
+
+def _budget(value: Any) -> int:
+    if isinstance(value, str) and value.strip().lower() == "unlimited":
+        return UNLIMITED
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Options.host_budget_bytes must be a positive integer or 'unlimited', got {value!r}")
+    return value
+
+
+def _env_budget() -> int:
+    text = os.environ.get("CKPT_HOST_BUDGET_BYTES")
+    if text is None or text.strip() == "":
+        return default_host_budget()
+    if text.strip().lower() == "unlimited":
+        return UNLIMITED
+    return _env_int("CKPT_HOST_BUDGET_BYTES", 0)
+
+
+def save_chunk_cap(options: "Options") -> int:
+    """The chunk cap of a save with resolved `options`: max_chunk_bytes, and at most a quarter
+    of the host budget, so that several chunks are staged and written at once within it."""
+    return max(MIN_CHUNK_CAP, min(options.max_chunk_bytes, options.host_budget_bytes // 4))
+
 EngineChoice = Union[str, Callable[[str, "Options"], Any], None]
 
 
@@ -62,23 +104,29 @@ class Options:
             default max(8, 2 x cores)).
         max_inflight_bytes: bytes handed to storage and not yet durable, per process
             (``CKPT_MAX_INFLIGHT_BYTES``; default 256 MiB).
-        host_budget_bytes: host bytes of chunks read and regions assembled, not yet placed on
-            devices, of a restore or an export (``CKPT_HOST_BUDGET_BYTES``; default 2 GiB).
-        staging_pool: keep a save's host buffers for the next save (``CKPT_STAGING_POOL``,
-            ``0`` turns it off; default on).
+        host_budget_bytes: the host memory of one save, restore or export, in bytes, or
+            ``"unlimited"``. A save counts its staging buffers, the chunks handed to storage and
+            not yet durable, and the staging pool's free buffers; it also caps chunks at a
+            quarter of it. A restore counts chunks read and regions assembled, not yet placed
+            on devices (``CKPT_HOST_BUDGET_BYTES``, an integer or ``unlimited``; default a
+            quarter of the host's physical memory; docs/memory.md).
+        staging_pool: keep a save's host buffers for its next chunks and for the next save,
+            within the host budget (``CKPT_STAGING_POOL``, ``0`` turns it off; default on;
+            ``ckpt.release_host_memory()`` frees them).
         pack_limit_bytes: arrays of at most this many bytes whose whole value one process holds
             are written by it as one chunk, many same-shaped ones together as a stack (formats/
             SPEC.md section 7.1), instead of one file per shard (``CKPT_PACK_LIMIT_BYTES``;
             default 1 MiB; ``0`` writes every array shard by shard).
         max_chunk_bytes: the largest chunk a save writes: a shard bigger than this is split
-            evenly into chunks of at most this size (``CKPT_MAX_CHUNK_BYTES``; default 64 MiB).
+            evenly into chunks of at most this size (``CKPT_MAX_CHUNK_BYTES``; default 64 MiB;
+            a save also keeps chunks within a quarter of its host budget).
     """
 
     engine: EngineChoice = None
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     io_concurrency: int | None = None
     max_inflight_bytes: int | None = None
-    host_budget_bytes: int | None = None
+    host_budget_bytes: int | str | None = None
     staging_pool: bool | None = None
     pack_limit_bytes: int | None = None
     max_chunk_bytes: int | None = None
@@ -91,7 +139,8 @@ class Options:
 
         Raises:
             ValueError: a field or environment variable is not a positive integer (a
-                non-negative one for ``pack_limit_bytes``).
+                non-negative one for ``pack_limit_bytes``; ``host_budget_bytes`` also accepts
+                ``"unlimited"``).
         """
         return replace(
             self,
@@ -99,8 +148,8 @@ class Options:
             else _env_int("CKPT_IO_CONCURRENCY", max(8, 2 * (os.cpu_count() or 1))),
             max_inflight_bytes=_positive("max_inflight_bytes", self.max_inflight_bytes)
             if self.max_inflight_bytes is not None else _env_int("CKPT_MAX_INFLIGHT_BYTES", 256 << 20),
-            host_budget_bytes=_positive("host_budget_bytes", self.host_budget_bytes)
-            if self.host_budget_bytes is not None else _env_int("CKPT_HOST_BUDGET_BYTES", 2 << 30),
+            host_budget_bytes=_budget(self.host_budget_bytes)
+            if self.host_budget_bytes is not None else _env_budget(),
             staging_pool=bool(self.staging_pool) if self.staging_pool is not None
             else os.environ.get("CKPT_STAGING_POOL", "1") != "0",
             pack_limit_bytes=_non_negative("pack_limit_bytes", self.pack_limit_bytes)

@@ -44,6 +44,9 @@ from ckpt.storage import Storage
 SHARDING_FILE = "_sharding"
 STRINGS_FILE = "_strings.json"
 JSON_ITEM_FILE = "metadata"
+# Orbax's CheckpointManager keeps a step's metrics as a JSON item of this name, in a file of this
+# name: metadata of the step (CheckpointManager.metrics reads it), not part of the saved state.
+METRICS_ITEM = "metrics"
 OCDBT_MANIFEST = "manifest.ocdbt"
 
 JSON_LIMIT = 256 << 20  # no metadata file of a real checkpoint comes near this; nothing larger is read
@@ -64,6 +67,7 @@ class Item:
     use_zarr3: bool = False
     fill_value_stored: bool = True  # every chunk was written (store_array_data_equal_to_fill_value)
     key_impls: dict[str, str] = field(default_factory=dict)  # param name -> PRNG impl
+    json_file: str = JSON_ITEM_FILE  # the file of a JSON item
 
     @property
     def layout(self) -> str:
@@ -363,8 +367,15 @@ def _step_items(storage: Storage, doc: Any) -> list[Item]:
             raise CheckpointError(f"{storage.url}: item {name!r} of this Orbax step is missing")
         if _exists(child, PYTREE_METADATA):
             items.append(Item(name, child, "pytree"))
-        elif _exists(child, JSON_ITEM_FILE) and (handler is None or "JsonCheckpointHandler" in str(handler)):
-            items.append(Item(name, child, "json"))
+        elif handler is None or "JsonCheckpointHandler" in str(handler):
+            file = next((f for f in (JSON_ITEM_FILE, name) if _exists(child, f)), None)
+            if file is not None:
+                if name != METRICS_ITEM:
+                    items.append(Item(name, child, "json", json_file=file))
+                continue
+            if handler is not None:
+                raise CheckpointError(f"{child.url}: JSON item {name!r} of this Orbax step has no "
+                                      f"{JSON_ITEM_FILE!r} or {name!r} file")
         elif handler is not None:
             raise CheckpointError(
                 f"{child.url}: Orbax item {name!r} was written by {str(handler).rsplit('.', 1)[-1]}, which this "
@@ -391,9 +402,9 @@ def read_layout(storage: Storage) -> Layout:
         items = _step_items(storage, step_doc)
     built = {}
     for item in items:
-        where = item.storage.where(JSON_ITEM_FILE)
+        where = item.storage.where(item.json_file)
         built[item.name] = _pytree_item(item) if item.kind == "pytree" else \
-            _json_value(read_json(item.storage, JSON_ITEM_FILE), where)
+            _json_value(read_json(item.storage, item.json_file), where)
     if kind == "step" and len(items) == 1 and items[0].name == "default":
         top = built["default"]  # a single-item manager's step: the item itself, as Orbax returns it
     elif kind == "item":

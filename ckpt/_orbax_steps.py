@@ -4,6 +4,7 @@ while Orbax writes one). Used by restore's dispatch, the CLI and the manager."""
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from ckpt.storage import MANIFEST_NAME, Storage
 PYTREE_METADATA = "_METADATA"  # a PyTree item
 STEP_METADATA = "_CHECKPOINT_METADATA"  # a CheckpointManager step (also beside a bare item)
 TMP_MARK = ".orbax-checkpoint-tmp"  # a step or item Orbax is still writing
+METRICS_ITEM = "metrics"  # the item Orbax's CheckpointManager writes a step's metrics to
 _STEP_NAME = re.compile(r"^(?:(.*)_)?(\d+)$")
 
 
@@ -65,3 +67,26 @@ def kind_of(storage: Storage) -> str | None:
     except (OSError, CheckpointError):
         return None
     return "manager" if any(s.finished for s in steps) else None
+
+
+def step_record(storage: Storage) -> tuple[dict | None, float | None]:
+    """(metrics, commit time in seconds) of the Orbax step at `storage`, from its
+    ``_CHECKPOINT_METADATA`` (a small JSON file) and its ``metrics`` item; None for what they
+    do not say (untrusted input: size-limited, types checked)."""
+    try:
+        doc = json.loads(storage.get(STEP_METADATA, max_bytes=1 << 20))
+    except (OSError, CheckpointError, ValueError):
+        return None, None
+    if not isinstance(doc, dict):
+        return None, None
+    metrics = doc.get("metrics")
+    if not (isinstance(metrics, dict) and metrics):
+        # Orbax's CheckpointManager with best_fn writes them as the JSON item ``metrics``.
+        try:
+            metrics = json.loads(storage.get(f"{METRICS_ITEM}/{METRICS_ITEM}", max_bytes=1 << 20))
+        except (OSError, CheckpointError, ValueError):
+            metrics = None
+    metrics = metrics if isinstance(metrics, dict) and metrics else None
+    stamp = doc.get("commit_timestamp_nsecs") or doc.get("init_timestamp_nsecs")
+    created = stamp / 1e9 if isinstance(stamp, (int, float)) and not isinstance(stamp, bool) else None
+    return metrics, created

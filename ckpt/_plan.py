@@ -6,6 +6,7 @@ process of a job computes the same plan on its own.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
@@ -33,18 +34,21 @@ class ArrayShards:
     """The unique regions of one array and every (process, device id) holding a copy.
 
     `shape` and `dtype` (the logical dtype's name) make the array a candidate for packing; without
-    them it is always written shard by shard."""
+    them it is always written shard by shard. `chunk_shape`, when given, divides every region's
+    shape: each region is then written as its chunks (one write each), else as one chunk."""
 
     leaf: int
     itemsize: int
     holders: Mapping[Box, Sequence[tuple[int, int]]]
     shape: tuple[int, ...] | None = None
     dtype: str = ""
+    chunk_shape: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
 class ShardWrite:
-    """One unique region (one chunk) of one leaf, copied from `device` and written by `process`."""
+    """One chunk of one leaf (`box`, inside one unique region), copied from the shard `device`
+    holds and written by `process`."""
 
     leaf: int
     box: Box
@@ -97,6 +101,17 @@ class SavePlan:
         return out
 
 
+def _chunks_of(box: Box, chunk_shape: tuple[int, ...] | None) -> list[Box]:
+    """The chunks of `chunk_shape` that tile `box` (which the chunk shape divides), row-major."""
+    if chunk_shape is None or all(b - a == c for (a, b), c in zip(box, chunk_shape)):
+        return [box]
+    for (a, b), c in zip(box, chunk_shape):
+        if c <= 0 or (b - a) % c:
+            raise ValueError(f"chunk shape {chunk_shape} does not divide the region {box}")
+    ranges = [[(s, s + c) for s in range(a, b, c)] for (a, b), c in zip(box, chunk_shape)]
+    return [tuple(p) for p in itertools.product(*ranges)]
+
+
 def _least(candidates, load: dict, key=lambda c: c):
     return min(candidates, key=lambda c: (load.get(key(c), 0), c))
 
@@ -104,6 +119,9 @@ def _least(candidates, load: dict, key=lambda c: c):
 def plan_save(arrays: Iterable[ArrayShards], *, pack_limit: int = PACK_LIMIT,
               stack_chunk_bytes: int = STACK_CHUNK_BYTES) -> SavePlan:
     """Assign every unique region to exactly one holder, balancing bytes; pack small arrays.
+
+    A region larger than its array's `chunk_shape` is split into its chunks first, each placed
+    on its own, so the chunks of a big replicated region spread over its holders too.
 
     Regions held by one process go to it. Replicated regions are then placed largest first on
     the holding process with the fewest bytes so far (longest-processing-time scheduling), so
@@ -133,7 +151,9 @@ def plan_save(arrays: Iterable[ArrayShards], *, pack_limit: int = PACK_LIMIT,
                 packable.append((a, layout))
                 continue
         for box, holders in a.holders.items():
-            items.append((a.leaf, box, box_size(box) * a.itemsize, tuple(sorted(set(holders)))))
+            holders = tuple(sorted(set(holders)))
+            for part in _chunks_of(box, a.chunk_shape):
+                items.append((a.leaf, part, box_size(part) * a.itemsize, holders))
     items.sort(key=lambda it: (len({p for p, _ in it[3]}) > 1, -it[2], it[0], it[1]))
     proc_load: dict[int, int] = {}
     dev_load: dict[tuple[int, int], int] = {}

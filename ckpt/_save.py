@@ -10,34 +10,25 @@ import hashlib
 import math
 import queue
 import threading
-from collections import deque
 from typing import Any
 
 import crc32c
 import msgpack
 import numpy as np
 
-from ckpt import _dtypes, _gc
-from ckpt._checksum import chunk_checksum
+from ckpt import _gc
 from ckpt._commit import Coordinator, commit_checkpoint, current_coordinator
 from ckpt._describe import Leaf, array_shards, describe, finish_array_records, pack_records
 from ckpt._errors import CheckpointError
-from ckpt._layout import chunk_grid, chunk_index_of, chunk_key, flat_chunk_index
+from ckpt._layout import chunk_grid, chunk_key
 from ckpt._manifest import STACKS_VERSION, LeafRecord, Manifest, Stack, StackedStorage
-from ckpt._options import Options, resolve
-from ckpt._plan import PackedWrite, SavePlan, plan_save
-from ckpt._staging import POOL, start_copies, take
+from ckpt._options import Options, resolve, save_chunk_cap
+from ckpt._plan import STACK_CHUNK_BYTES, SavePlan, plan_save
+from ckpt._staging import SaveBudget, StagingAborted, stage
 from ckpt._tree import flatten, storage_paths
+from ckpt._write import END, _write_chunks, array_specs
 from ckpt.storage import ArraySpec, Staged, Storage, open_storage
 from ckpt.storage._base import GROUP_METADATA, NotDurableError, array_metadata_bytes
-
-# Bytes handed to storage and not yet durable, per process, while the caller is still making its host copies: enough to keep the disk busy,
-# little enough not to slow the copies the caller waits for (measured on 2 cores: 64 MiB kept
-# save throughput within noise of unthrottled writes and cut the worst blocking time 2.5x).
-COPYING_INFLIGHT_BYTES = 64 << 20
-
-_END = object()
-
 
 class SaveHandle:
     """A save in progress, as ``save_async`` returns it (not constructed directly).
@@ -93,7 +84,7 @@ class SaveHandle:
 def _fingerprint(final: str, overwrite: bool, tree: dict, leaves: list[Leaf], plan: SavePlan) -> bytes:
     view = [
         [l.record.path, l.record.kind, l.record.shape, l.record.dtype, l.record.sharding,
-         type(l.record.storage).__name__]
+         type(l.record.storage).__name__, l.chunk_shape]
         for l in leaves
     ]
     # Which leaves are packed, and where, follows from shardings and device placement; every
@@ -118,27 +109,25 @@ def _check_fingerprints(views: list[dict]) -> None:
         odd = sorted(p for g in groups.values() if g is not majority for p in g)
         raise CheckpointError(
             f"processes disagree on what to save: process(es) {odd} have a different tree, shapes, "
-            f"dtypes, shardings or path than process(es) {majority}; nothing was written"
+            f"dtypes, shardings, chunk shapes (host_budget_bytes, max_chunk_bytes) or path than process(es) {majority}; nothing was written"
         )
 
 
-def _group_metadata_puts(storage: Storage, array_paths: list[str]) -> list:
-    """zarr.json for the root and every intermediate group, so stock zarr can browse the tree
-    (written concurrently, each fsynced by the engine)."""
-    groups = {""}
-    for path in array_paths:
-        parts = path.split("/")
-        groups.update("/".join(parts[:k]) for k in range(1, len(parts)))
-    return [storage.put_group(g) for g in sorted(groups)]
+def save_async(path, tree: Any, *, overwrite: bool = False, options: Options | None = None,
+               host_budget_bytes: int | str | None = None, max_chunk_bytes: int | None = None) -> SaveHandle:
+    """Start saving `tree` to `path`; return once every byte this process writes is either in
+    host memory the library owns or already written. The arrays may be donated or deleted from
+    then on.
 
+    Every unique shard is written once, by one process, as chunks of a Zarr v3 array (a shard
+    larger than the chunk cap is split evenly into several chunks); the manifest is written
+    last, so the checkpoint appears whole or not at all. Under ``jax.distributed`` every process
+    calls it with the same arguments.
 
-def save_async(path, tree: Any, *, overwrite: bool = False, options: Options | None = None) -> SaveHandle:
-    """Start saving `tree` to `path`; return once the data this process writes is in host
-    memory the library owns. The arrays may be donated or deleted from then on.
-
-    Every unique shard is written once, by one process, as a chunk of a Zarr v3 array; the
-    manifest is written last, so the checkpoint appears whole or not at all. Under
-    ``jax.distributed`` every process calls it with the same arguments.
+    Host memory stays within the host budget: when this process's bytes fit it, the call
+    returns as soon as the host copies exist (the writes run in the background); when they do
+    not, the call copies chunk by chunk, each copy waiting for earlier chunks to be written, and
+    returns once the last chunk is copied (docs/memory.md).
 
     Args:
         path (str | os.PathLike): a local path (``str``, ``pathlib.Path``,
@@ -150,6 +139,13 @@ def save_async(path, tree: Any, *, overwrite: bool = False, options: Options | N
         overwrite: replace a checkpoint already at `path` (in one step, once the new one is
             complete).
         options: engine, concurrency and memory settings (``ckpt.Options``).
+        host_budget_bytes: the most host memory this save uses for staging, pooled buffers and
+            writes in flight, in bytes, or ``"unlimited"``; overrides
+            ``Options.host_budget_bytes`` (default: ``CKPT_HOST_BUDGET_BYTES``, else a quarter
+            of the host's RAM). It also caps chunks at a quarter of the budget.
+        max_chunk_bytes: the largest chunk written (a shard is split evenly into chunks of at
+            most this size); overrides ``Options.max_chunk_bytes`` (default
+            ``CKPT_MAX_CHUNK_BYTES``, else 64 MiB).
 
     Returns:
         A ``SaveHandle``: ``wait()`` blocks until the checkpoint is committed, ``done()`` polls.
@@ -163,15 +159,29 @@ def save_async(path, tree: Any, *, overwrite: bool = False, options: Options | N
         TypeError: `options` is not a ``ckpt.Options``.
         OSError: the storage refused to stage the save.
     """
-    return start_save(path, tree, overwrite=overwrite, options=options)
+    return start_save(path, tree, overwrite=overwrite, options=options, host_budget_bytes=host_budget_bytes,
+                      max_chunk_bytes=max_chunk_bytes)
+
+
+def _save_options(options: Options | None, host_budget_bytes, max_chunk_bytes) -> Options:
+    if options is not None and not isinstance(options, Options):
+        raise TypeError(f"options must be a ckpt.Options, got {type(options).__name__}")
+    opts = options or Options()
+    if host_budget_bytes is not None:
+        opts = dataclasses.replace(opts, host_budget_bytes=host_budget_bytes)
+    if max_chunk_bytes is not None:
+        opts = dataclasses.replace(opts, max_chunk_bytes=max_chunk_bytes)
+    return resolve(opts)
 
 
 @_gc.paused()
 def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict | None = None,
-               options: Options | None = None) -> SaveHandle:
+               options: Options | None = None, host_budget_bytes: int | str | None = None,
+               max_chunk_bytes: int | None = None) -> SaveHandle:
     """save_async with the library-internal options (user_metadata: a small msgpack-able dict
     stored in the manifest, used by CheckpointManager)."""
-    opts = resolve(options)
+    opts = _save_options(options, host_budget_bytes, max_chunk_bytes)
+    cap = save_chunk_cap(opts)
     storage = open_storage(path, opts)
     final = storage.url
     coord = current_coordinator()
@@ -180,12 +190,13 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
     try:
         try:
             encoding, flat = flatten(tree)
-            leaves = [describe(l, coord.process_count) for l in flat]
+            leaves = [describe(l, coord.process_count, cap) for l in flat]
             finish_array_records(leaves, storage_paths([l.components for l in flat]))
-            plan = plan_save(array_shards(leaves), pack_limit=opts.pack_limit_bytes)
+            # (packed chunks stay within the cap too)
+            plan = plan_save(array_shards(leaves), pack_limit=min(opts.pack_limit_bytes, cap),
+                             stack_chunk_bytes=min(STACK_CHUNK_BYTES, cap))
             stacks = pack_records(leaves, plan)
             my_writes = plan.for_process(coord.process_index)
-            pending = start_copies({i: l.source for i, l in enumerate(leaves)}, my_writes)
             view, own_error = {"plan": _fingerprint(final, overwrite, encoding, leaves, plan)}, None
         except Exception as e:  # the others learn of it now instead of waiting for this process
             view, own_error = {"error": f"{type(e).__name__}: {e}"}, e
@@ -212,27 +223,36 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
         raise
 
     chunks: queue.Queue = queue.Queue()
-    buffers: list = []  # pooled staging buffers, returned once every write is done
     copied = threading.Event()  # set once every host copy exists
+    budget = SaveBudget(opts.host_budget_bytes, keep=opts.staging_pool)
+    # More bytes than the budget: the caller waits for the disk anyway, so writes need not wait
+    # for the copies to end.
+    pressed = sum(w.nbytes for w in my_writes) > budget.limit
     job = _SaveJob(coord, save_id, storage, staged, overwrite, encoding, leaves, user_metadata, opts, stacks)
-    handle = SaveHandle(final, lambda: job.run(chunks, buffers, copied))
+    handle = SaveHandle(final, lambda: job.run(chunks, copied, budget, pressed))
+    handle._budget = budget  # (read by tests: its high-water mark)
     try:
-        for item in take(pending, buffers if opts.staging_pool else None):
+        for item in stage({i: l.source for i, l in enumerate(leaves)}, my_writes, budget):
             chunks.put(item)
+            del item
     except BaseException as e:
         copied.set()
         chunks.put(e)
+        failure = None
         try:
             handle.wait()  # the writer aborts and removes the temporary directory
-        except BaseException:
-            pass
+        except BaseException as err:
+            failure = err
+        if isinstance(e, StagingAborted) and failure is not None:
+            raise failure  # the writer's error, which stopped the copies
         raise
     copied.set()
-    chunks.put(_END)
+    chunks.put(END)
     return handle
 
 
-def save(path, tree: Any, *, overwrite: bool = False, options: Options | None = None) -> None:
+def save(path, tree: Any, *, overwrite: bool = False, options: Options | None = None,
+         host_budget_bytes: int | str | None = None, max_chunk_bytes: int | None = None) -> None:
     """Save `tree` to `path` and return once the checkpoint is committed.
 
     ``save_async(path, tree, ...).wait()``: see ``save_async`` for what is written and when.
@@ -242,6 +262,9 @@ def save(path, tree: Any, *, overwrite: bool = False, options: Options | None = 
         tree: the pytree to save.
         overwrite: replace a checkpoint already at `path`.
         options: engine, concurrency and memory settings (``ckpt.Options``).
+        host_budget_bytes: the most host memory the save uses (bytes or ``"unlimited"``), as
+            for ``save_async``.
+        max_chunk_bytes: the largest chunk written, as for ``save_async``.
 
     Raises:
         FileExistsError: `path` holds a checkpoint and `overwrite` is False.
@@ -249,101 +272,8 @@ def save(path, tree: Any, *, overwrite: bool = False, options: Options | None = 
             (nothing committed; the previous checkpoint at `path`, if any, is untouched).
         OSError: the storage failed, naming the object.
     """
-    save_async(path, tree, overwrite=overwrite, options=options).wait()
-
-
-def _array_specs(leaves: list[Leaf], stacks: list[Stack]) -> dict[int, tuple[str, ArraySpec]]:
-    """(storage path, spec) of every Zarr array of the save, by array id: a leaf's index, or
-    ``-1 - s`` for stack s (the ids of the plan's writes)."""
-    specs = {}
-    for i, leaf in enumerate(leaves):
-        st = leaf.record.zarr
-        if st is not None:
-            attrs = {"jax_ckpt": {"path": leaf.record.path, "dtype": leaf.record.dtype, "encoding": st.encoding}}
-            specs[i] = (st.path, ArraySpec(tuple(leaf.record.shape), tuple(leaf.chunk_shape),
-                                           np.dtype(st.data_type), attrs))
-    members: dict[int, list[str]] = {}
-    for leaf in leaves:
-        if leaf.record.stacked is not None:
-            members.setdefault(leaf.record.stacked.stack, []).append(leaf.record.path)
-    for s, stack in enumerate(stacks):
-        # The member leaves' paths in stack order, so that a Zarr user can find a leaf's slice.
-        attrs = {"jax_ckpt": {"dtype": stack.dtype, "encoding": stack.zarr.encoding, "members": members[s]}}
-        specs[-1 - s] = (stack.zarr.path, ArraySpec(stack.shape, stack.zarr.chunk_shape,
-                                                     np.dtype(stack.zarr.data_type), attrs))
-    return specs
-
-
-def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, primary: bool,
-                  copied: threading.Event, max_inflight_bytes: int, prefix: str = "",
-                  stacks: list[Stack] = ()) -> dict:
-    """Write this process's chunks as their host copies arrive; return their CRC-32Cs, by array
-    id (see _array_specs) and flat chunk index.
-
-    While the caller is still copying (`copied` not set), few writes go out
-    (COPYING_INFLIGHT_BYTES) and no checksum is computed: the disk starts working without
-    slowing the copies the caller waits for. Then writes go out up to `max_inflight_bytes` and the
-    checksums are computed while they are in flight (direct I/O leaves the CPU idle meanwhile).
-    """
-    specs = _array_specs(leaves, stacks)
-    handles = storage.open_arrays(specs)
-    grids = {a: chunk_grid(spec.shape, spec.chunk_shape) for a, (_, spec) in specs.items()}
-    sums: dict[int, dict[int, int]] = {}
-    unsummed: list = []  # (array id, flat chunk index, data) still to checksum
-    inflight: deque = deque()
-    created: list = []
-    inflight_bytes = 0
-
-    def checksum_pending() -> None:
-        for array, flat, data in unsummed:
-            sums.setdefault(array, {})[flat] = chunk_checksum(data)
-        unsummed.clear()
-
-    try:
-        while True:
-            item = chunks.get()
-            if item is _END:
-                break
-            if isinstance(item, BaseException):
-                raise CheckpointError("copying shards to host failed") from item
-            w, host = item
-            array = w.array if isinstance(w, PackedWrite) else w.leaf
-            data = _dtypes.to_storage(host)
-            spec = specs[array][1]
-            flat = flat_chunk_index(chunk_index_of(w.box, spec.chunk_shape), grids[array])
-            inflight.append((storage.write_chunk(handles[array], w.box, data), w.nbytes))
-            inflight_bytes += w.nbytes
-            unsummed.append((array, flat, data))
-            done_copying = copied.is_set()
-            if done_copying:
-                checksum_pending()
-            limit = max_inflight_bytes if done_copying else min(COPYING_INFLIGHT_BYTES, max_inflight_bytes)
-            while inflight_bytes > limit and len(inflight) > 1:
-                fut, n = inflight.popleft()
-                fut.result()
-                inflight_bytes -= n
-        checksum_pending()
-        if primary:
-            # Metadata last: the small fsynced files then overlap the chunk writes in flight.
-            created = [storage.create_array(path, spec) for path, spec in specs.values()]
-            if specs or not prefix:
-                # (A generation prefix holding only group metadata would be referenced by no
-                # manifest path, so no overwrite could ever find and delete it.)
-                created += _group_metadata_puts(storage, [path for path, _ in specs.values()])
-        for fut, _ in inflight:
-            fut.result()
-        for fut in created:
-            fut.result()
-    except BaseException:
-        # Let every started write finish (or fail) before the caller removes the temporary
-        # directory; a write still running would create files in it again.
-        for fut in [f for f, _ in inflight] + created:
-            try:
-                fut.result()
-            except Exception:
-                pass
-        raise
-    return sums
+    save_async(path, tree, overwrite=overwrite, options=options, host_budget_bytes=host_budget_bytes,
+               max_chunk_bytes=max_chunk_bytes).wait()
 
 
 class _SaveJob:
@@ -356,9 +286,9 @@ class _SaveJob:
         self.overwrite, self.encoding, self.leaves = overwrite, encoding, leaves
         self.user_metadata, self.options, self.stacks = user_metadata, options, list(stacks)
 
-    def run(self, chunks: queue.Queue, buffers: list, copied: threading.Event) -> None:
+    def run(self, chunks: queue.Queue, copied: threading.Event, budget: SaveBudget, pressed: bool) -> None:
         try:
-            self._exchange_and_commit(chunks, buffers, copied)
+            self._exchange_and_commit(chunks, copied, budget, pressed)
         finally:
             self.staged.release()  # (commit and abort release it; this covers any other exit)
             self.coord.end_save(self.save_id)
@@ -369,18 +299,17 @@ class _SaveJob:
         except OSError:
             pass  # left for cleanup: never a checkpoint, since no manifest points to it
 
-    def _exchange_and_commit(self, chunks: queue.Queue, buffers: list, copied: threading.Event) -> None:
+    def _exchange_and_commit(self, chunks: queue.Queue, copied: threading.Event, budget: SaveBudget,
+                             pressed: bool) -> None:
         coord, final = self.coord, self.storage.url
         primary = coord.process_index == 0
         error: BaseException | None = None
         sums: dict = {}
         try:
-            sums = _write_chunks(self.staged.storage, self.leaves, chunks, primary, copied,
-                                 self.options.max_inflight_bytes, self.staged.prefix, self.stacks)
-            POOL.give_back(buffers)  # every write is done and the copy loop has ended
+            sums = _write_chunks(self.staged.storage, self.leaves, chunks, primary, copied, budget,
+                                 self.options.max_inflight_bytes, self.staged.prefix, self.stacks, pressed)
         except BaseException as e:
             error = e
-        buffers.clear()
         status = msgpack.packb(
             {"error": None if error is None else f"{type(error).__name__}: {error}",
              "sums": [[leaf, flat, crc] for leaf, m in sums.items() for flat, crc in m.items()]},
@@ -464,7 +393,7 @@ class _SaveJob:
                                          chunk_checksums=tuple(got[k] for k in range(n)))
                 rec = LeafRecord(rec.path, rec.kind, rec.shape, rec.dtype, rec.sharding, st, rec.value, rec.prng_impl)
             records.append(rec)
-        zarr_json = _check_written(self.staged, _array_specs(self.leaves, self.stacks), self.storage.url)
+        zarr_json = _check_written(self.staged, array_specs(self.leaves, self.stacks), self.storage.url)
         manifest = Manifest(self.encoding, records, user_metadata=self.user_metadata, library_version=__version__,
                             stacks=stacks, format_version=STACKS_VERSION if stacks else 1, zarr_json=zarr_json)
         commit_checkpoint(self.storage, self.staged, manifest, overwrite=self.overwrite)

@@ -26,6 +26,11 @@ restored by ckpt and by Orbax's StandardCheckpointer (defaults) when installed, 
 Object stores instead (docs/benchmarks.md, "Object stores"): save and restore at the URL against
 raw PUTs and GETs of the same unique bytes through TensorStore's kvstore with the same request
 concurrency; --seaweedfs starts a local SeaweedFS for it (tests/servers.py).
+
+    python -m ckpt.bench --memory [--gib 2] [--runs 3] [--only save,restore,first,big]
+
+Host memory instead (docs/benchmarks.md, "Host memory"; ckpt/bench_memory.py): peak RSS and
+throughput of save and restore under a host budget, each measurement in a fresh process.
 """
 
 from __future__ import annotations
@@ -631,7 +636,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--leaves", metavar="N[,N...]", help="instead: the many-small-leaves benchmark for trees of N "
                    "leaves (docs/benchmarks.md, \"Many small leaves\"), beside Orbax when it is installed")
     p.add_argument("--no-orbax", action="store_true", help="with --leaves: ckpt only")
+    from ckpt import bench_memory
+
+    p.add_argument("--memory", action="store_true", help="instead: peak host RSS and throughput of save and restore "
+                   "under a host budget, each measurement in a fresh process (docs/benchmarks.md, \"Host memory\")")
+    p.add_argument("--only", help="with --memory: sections to run, of " + ",".join(bench_memory.SECTIONS))
+    bench_memory.add_memory_arguments(p)
     args = p.parse_args(argv)
+    if args.memory:
+        return bench_memory.main(parsed=args)
     if args.leaves:
         return _main_leaves(args)
     if args.url:

@@ -31,6 +31,15 @@ Y_ARRAYS = {
     "head": ((40,), np.float32, P()),
 }
 Z_KIB = [64, 56, 48, 40, 36, 32, 28, 24, 20, 16, 12, 8]  # fully replicated float32 leaves
+# Saved on the (4, 2) mesh in chunks of at most R_CHUNK_BYTES (shards of 16 and 8 KiB cut into
+# 4 KiB chunks), restored onto (2, 4) by 2 and 4 processes: a reshard whose reads the plan
+# (`ckpt plan`) must predict exactly.
+R_ARRAYS = {
+    "r/w": ((256, 128), np.float32, P("data", "model")),
+    "r/v": ((128, 256), jnp.bfloat16, P("model", "data")),
+    "r/u": ((8192,), np.float32, P("data")),
+}
+R_CHUNK_BYTES = 4096  # the smallest cap a save accepts
 
 
 def values(path: str, shape, dtype, seed: int = 0) -> np.ndarray:
@@ -125,6 +134,17 @@ def restore_checks(w: Worker, tag: str, path: str, arrays: dict, mesh: Mesh) -> 
     tree = ckpt.restore(path, as_target(arrays, swapped), partial=True)
     bad, n = bad_shards(tree, arrays, swapped)
     w.report(check=f"{tag}-swapped", bad=bad, shards=n)
+
+
+def reshard_check(w: Worker, tag: str, path: str) -> None:
+    """Restore R_ARRAYS onto a (2, 4) mesh; report what this process read."""
+    from ckpt._restore import restore_with_stats
+
+    mesh = mesh_of((2, 4))
+    tree, stats = restore_with_stats(path, mesh=mesh)
+    bad, n = bad_shards(tree, R_ARRAYS, shardings_for(R_ARRAYS, mesh))
+    w.report(check=tag, bad=bad, shards=n, bytes_read=stats.bytes_read, bytes_needed=stats.bytes_needed,
+             chunks_read=stats.chunks_read)
 
 
 def hooked_writes(before: Callable[[np.ndarray], None]) -> ckpt.Options:

@@ -25,8 +25,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
 from multihost_data import (
-    X_ARRAYS, Y_ARRAYS, Z_KIB, die, disk_full, hooked_writes, no_op, stall_once, tmp_entries, bad_shards,
-    build, mesh_of, restore_checks, shardings_for, values, x_tree,
+    R_ARRAYS, R_CHUNK_BYTES, X_ARRAYS, Y_ARRAYS, Z_KIB, die, disk_full, hooked_writes, no_op, stall_once,
+    tmp_entries, bad_shards, build, mesh_of, reshard_check, restore_checks, shardings_for, values, x_tree,
 )
 from multiproc import Worker, assert_all_succeeded, launch
 
@@ -100,6 +100,8 @@ def run_job_4x2(w: Worker) -> None:
     restore_checks(w, "x-on-4x2", f"{root}/x", X_ARRAYS, mesh)
     ckpt.save(f"{root}/y", build(Y_ARRAYS, mesh))
     w.report(check="save-y")
+    ckpt.save(f"{root}/r", build(R_ARRAYS, mesh), options=ckpt.Options(max_chunk_bytes=R_CHUNK_BYTES))
+    reshard_check(w, "r-on-2x4", f"{root}/r")
 
     replicated = NamedSharding(mesh, P())
     z = {f"r{i}": jax.device_put(values(f"r{i}", (kib * 256,), np.float32), replicated) for i, kib in enumerate(Z_KIB)}
@@ -113,6 +115,7 @@ def run_job_4x2(w: Worker) -> None:
 
 def run_job_2x4(w: Worker) -> None:
     restore_checks(w, "y-on-2x4", f"{w.args['dir']}/y", Y_ARRAYS, mesh_of((2, 4)))
+    reshard_check(w, "r-on-2x4", f"{w.args['dir']}/r")
 
 
 def run_sigkill_job(w: Worker) -> None:
@@ -204,6 +207,31 @@ def test_save_2x4_restore_4x2_other_mesh(job_4x2):
 
 def test_save_4x2_restore_2x4(job_2x4):
     _all_restored(job_2x4, "y-on-2x4", Y_ARRAYS, 4)
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_plan_equals_what_a_4x2_to_2x4_reshard_reads(root, job_4x2, job_2x4, processes):
+    """`ckpt plan` predicts each process's reads of a real multi-process restore exactly, and
+    with chunks cut at most R_CHUNK_BYTES each process reads at most 1.1x what it needs."""
+    import json
+    import subprocess
+    import sys
+
+    results = job_2x4 if processes == 2 else job_4x2
+    path = str(root / "r")
+    meta = ckpt.metadata(path)["r"]
+    for name, (shape, dtype, _) in R_ARRAYS.items():  # the save cut its shards into small chunks
+        chunk = meta[name.split("/")[1]].chunk_shape
+        assert np.prod(chunk) * np.dtype(dtype).itemsize <= R_CHUNK_BYTES, (name, chunk)
+    doc = json.loads(subprocess.run(
+        [sys.executable, "-m", "ckpt", "plan", path, "--mesh", "data=2,model=4", "--processes", str(processes),
+         "--json"], capture_output=True, text=True, timeout=120, check=True).stdout)
+    for r, planned in zip(results, doc["per_process"]):
+        got = r.one("r-on-2x4")
+        assert got["bad"] == [] and got["shards"] == len(R_ARRAYS) * 8 // processes, r.describe()
+        assert (planned["bytes_read"], planned["bytes_needed"], planned["chunks_read"]) == (
+            got["bytes_read"], got["bytes_needed"], got["chunks_read"]), (planned, got)
+        assert planned["read_amplification"] <= 1.1, planned
 
 
 @pytest.mark.parametrize("which", ["x", "y"])

@@ -319,3 +319,19 @@ def test_a_checkpoint_orbax_0_11_wrote(tmp_path):
     assert ckpt.restore(os.path.join(DATA_011, "manager/3"))["meta"] == {"step": 3}
     ckpt.convert(os.path.join(DATA_011, "manager/3/state"), tmp_path / "c")
     assert np.array_equal(ckpt.restore(tmp_path / "c")["params"]["w"], want)
+
+
+def test_a_step_with_metrics_restores_its_state_alone(tmp_path):
+    import orbax.checkpoint as ocp
+
+    """Orbax keeps a step's metrics (best_fn) as a JSON item named `metrics` in a file of that
+    name: metadata of the step, so a whole-step restore gives the saved state only."""
+    state = {"w": jnp.arange(8.0), "b": np.int8(3)}
+    with ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(
+            best_fn=lambda m: m["loss"], best_mode="min", max_to_keep=2)) as m:
+        m.save(1, args=ocp.args.StandardSave(state), metrics={"loss": 0.5})
+        m.wait_until_finished()
+    assert (tmp_path / "1" / "metrics" / "metrics").is_file()
+    got = ckpt.restore(tmp_path / "1")
+    assert sorted(got) == ["b", "w"]
+    assert np.array_equal(got["w"], np.arange(8.0)) and got["b"] == 3

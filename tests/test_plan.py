@@ -99,30 +99,24 @@ def test_batch_by_budget():
 
 @pytest.mark.parametrize("given_by", ["options", "environment"])
 def test_restore_respects_the_host_budget(tmp_path, monkeypatch, given_by):
-    """Leaves are read in batches whose bytes stay under the budget (a single larger leaf is a
-    batch of its own), and the result is still exact. The budget comes from
+    """Leaves are read in batches whose host bytes stay under the budget (a leaf larger than it
+    is read region by region), and the result is still exact. The budget comes from
     Options.host_budget_bytes, or from CKPT_HOST_BUDGET_BYTES when the option is left unset."""
     sharding = NamedSharding(jax.make_mesh((4, 2), ("x", "y")), P("x", "y"))
     values = {f"w{i}": np.random.default_rng(i).standard_normal((64, 64)).astype(np.float32) for i in range(6)}
     values["big"] = np.ones((256, 256), np.float32)
-    ckpt.save(tmp_path / "c", {k: jax.device_put(v, sharding) for k, v in values.items()})
-    budget = 40_000  # one 16 KiB leaf (read + assembled: 32 KiB) fits, two do not
+    # Shard by shard (no packing): every chunk (2 or 32 KiB) is smaller than the budget.
+    ckpt.save(tmp_path / "c", {k: jax.device_put(v, sharding) for k, v in values.items()},
+              options=ckpt.Options(pack_limit_bytes=0))
+    budget = 40_000  # "big" (256 KiB) is read region by region
     if given_by == "options":
         options = ckpt.Options(host_budget_bytes=budget)
     else:
         monkeypatch.setenv("CKPT_HOST_BUDGET_BYTES", str(budget))
         options = None
-    batches = []
-    real = _restore._Reader.read
-
-    def spy(self, plans):
-        batches.append(sum(p.bytes_read + p.bytes_needed for p in plans))
-        return real(self, plans)
-
-    monkeypatch.setattr(_restore._Reader, "read", spy)
-    out = ckpt.restore(tmp_path / "c", {k: sharding for k in values}, options=options)
-    assert len(batches) >= 4
-    assert all(b <= budget for b in batches if b != 2 * 256 * 256 * 4)
+    out, stats = _restore.restore_with_stats(tmp_path / "c", {k: sharding for k in values}, options=options)
+    # Measured where each host buffer is allocated: within the budget, and it was needed.
+    assert stats.host_budget == budget and budget // 2 < stats.host_high_water <= budget
     for k, v in values.items():
         for s in out[k].addressable_shards:
             assert np.array_equal(np.asarray(s.data), v[s.index])
@@ -139,3 +133,28 @@ def test_storage_names_are_safe_and_unique():
     assert len({p.lower() for p in paths}) == 5
     for p, q in itertools.combinations(paths, 2):
         assert not q.lower().startswith(p.lower() + "/") and not p.lower().startswith(q.lower() + "/")
+
+
+def test_tiles_of_a_region_over_the_budget_are_chunk_aligned_and_hold_each_chunk_once():
+    """A restore cuts a region whose chunks do not fit the host budget into tiles along chunk
+    boundaries (ckpt._place._split): every needed chunk lies in exactly one tile, and each tile
+    fits, or is one chunk."""
+    from ckpt._layout import box_size, chunks_overlapping, intersect
+    from ckpt._place import _split
+
+    chunk = (16, 64)
+    region = ((8, 200), (32, 256))  # not aligned to the chunk grid at its edges
+    limit = 4 * 16 * 64  # four chunks' elements
+
+    def fits(tile):
+        return len(chunks_overlapping(tile, chunk)) * 16 * 64 <= limit
+
+    tiles = _split(region, chunk, fits)
+    assert sum(box_size(t) for t in tiles) == box_size(region)
+    for t in tiles:
+        assert fits(t) or len(chunks_overlapping(t, chunk)) == 1
+        for u in tiles:
+            assert u is t or intersect(t, u) is None
+    owners = [c for t in tiles for c in chunks_overlapping(t, chunk)]
+    assert sorted(owners) == sorted(chunks_overlapping(region, chunk))  # each chunk in one tile
+    assert _split(region, chunk, lambda t: True) == [region]

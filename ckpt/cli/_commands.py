@@ -147,7 +147,7 @@ def add_export_arguments(c: argparse.ArgumentParser, step_type, step_help: str, 
     c.add_argument("--rename-file", metavar="FILE",
                    help="JSON object from default names (key paths joined with '.') to names; null drops")
     c.add_argument("--host-budget", type=size_type, metavar="SIZE",
-                   help="host memory for chunks in flight (default: Options.host_budget_bytes, 2 GiB)")
+                   help="host memory for chunks in flight (default: Options.host_budget_bytes, a quarter of RAM)")
     c.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
     c.add_argument("--step", type=step_type, metavar="N", help=step_help)
     c.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")

@@ -10,6 +10,7 @@ from typing import Any
 from ckpt._layout import ShardingInfo, chunk_grid
 from ckpt._manifest import ARRAY_KINDS, FORMAT_NAME, LeafRecord, Manifest
 from ckpt._metadata import array_metadata
+from ckpt._retention import METRICS_KEY
 from ckpt._tree import CUSTOM, LEAF, child_names, display_path
 from ckpt.cli._locate import Opened, StepRow
 
@@ -93,6 +94,18 @@ def leaf_info(rec: LeafRecord) -> dict:
     return out
 
 
+def _metrics_of(user_metadata: Any) -> dict | None:
+    metrics = user_metadata.get(METRICS_KEY) if isinstance(user_metadata, dict) else None
+    return metrics if isinstance(metrics, dict) else None
+
+
+def _without_metrics(user_metadata: Any) -> Any:
+    if not isinstance(user_metadata, dict) or METRICS_KEY not in user_metadata:
+        return user_metadata
+    rest = {k: v for k, v in user_metadata.items() if k != METRICS_KEY}
+    return rest or None
+
+
 def inspect_document(opened: Opened) -> dict:
     """What `inspect --json` prints: the manifest, one plain JSON document (no data is read)."""
     m = opened.manifest
@@ -107,7 +120,9 @@ def inspect_document(opened: Opened) -> dict:
         "format_version": m.format_version,
         "library_version": m.library_version,
         "created": m.created,
-        "user_metadata": json_safe(m.user_metadata),
+        # A CheckpointManager step keeps its metrics in the user metadata (ckpt._retention).
+        "user_metadata": json_safe(_without_metrics(m.user_metadata)),
+        "metrics": json_safe(_metrics_of(m.user_metadata)),
         "leaves": leaves,
         "totals": {
             "leaves": len(leaves),
@@ -193,6 +208,8 @@ def inspect_title(doc: dict) -> list[str]:
         f"format {doc['format']} v{doc['format_version']}, written by jax-ckpt {doc['library_version'] or '?'} "
         f"at {local_time(doc['created'])}",
     ]
+    if doc.get("metrics"):
+        out.append("metrics: " + ", ".join(f"{k}={_value_text(v)}" for k, v in doc["metrics"].items()))
     if doc["user_metadata"]:
         out.append(f"user_metadata: {_value_text(doc['user_metadata'])}")
     return out

@@ -339,6 +339,14 @@ class Storage(ABC):
         """The bytes of one chunk file of the array at `path` (see read_exact)."""
         return self.read_exact(f"{path}/{chunk_key(index)}", nbytes)
 
+    def read_chunk_async(self, path: str, index: tuple[int, ...], nbytes: int, executor: Any) -> Any:
+        """Start reading one chunk file (see read_chunk): a future whose ``result()`` is its
+        bytes (possibly a read-only array). The restore reader issues a batch's reads at once
+        and checks each as it is used. The default runs read_chunk on `executor` (the reader's
+        pool, ``io_concurrency`` threads); engines with asynchronous I/O of their own override
+        it to issue the read from the calling thread, with the same checks as read_exact."""
+        return executor.submit(self.read_chunk, path, index, nbytes)
+
     # ---- commit ------------------------------------------------------------------------
 
     def stage(self, *, overwrite: bool) -> Staged:

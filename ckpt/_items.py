@@ -1,0 +1,100 @@
+"""Named items of a manager step (``state``, ``data_iterator``, ``config``...).
+
+A step saved as ``save(step, {"state": ..., "data_iterator": ...})`` is one checkpoint whose
+top-level keys are the items, committed by one manifest (so all items of a step commit together,
+or none). Restoring one item is a partial restore of that subtree: only the chunks its arrays
+need are read (small arrays packed in a stack share a chunk with their neighbours, which may
+belong to another item). In an Orbax step the items are ``<step>/<item>/`` checkpoints of their
+own, restored as such.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ckpt._commit import read_manifest
+from ckpt._errors import CheckpointError
+from ckpt._layout import ShardingInfo
+from ckpt._manifest import PRNG_KEY
+from ckpt._orbax_steps import kind_of
+from ckpt._restore import restore as _restore
+from ckpt._tree import child_names, join_path, leaf_components, match_target, unflatten
+from ckpt.storage import Storage
+
+
+class _AsSaved:
+    """A target leaf that restores a leaf as a restore without target would (a pytree leaf)."""
+
+    __slots__ = ()
+
+
+_AS_SAVED = _AsSaved()
+
+
+def item_names(storage: Storage) -> list[str]:
+    """The top-level keys of the checkpoint at `storage` (its items)."""
+    tree = read_manifest(storage).tree
+    return child_names(tree) if tree.get("children") else []
+
+
+def _placeholder(rec, mesh: jax.sharding.Mesh | None) -> Any:
+    if mesh is None or rec.kind not in ("jax.Array", PRNG_KEY):
+        return _AS_SAVED
+    info = ShardingInfo.from_record(rec.sharding)
+    spec = () if info is None or info.kind == "single_device" else info.spec
+    return NamedSharding(mesh, PartitionSpec(*spec))  # as restore(mesh=) places it
+
+
+def restore_item(storage: Storage, item: str, target: Any, *, orbax: bool, mesh, partial: bool, verify: bool,
+                 options) -> Any:
+    """Restore item `item` of the step at `storage` alone (module docstring)."""
+    if not isinstance(item, str):
+        raise TypeError(f"item must be a string, got {type(item).__name__}")
+    if orbax:
+        location = storage.child(item)
+        if not location.exists_any():
+            raise KeyError(f"{storage.url} has no item {item!r}")
+        if kind_of(location) == "item":  # a PyTree item: read alone
+            return _restore(location, target, mesh=mesh, partial=partial, verify=verify, options=options)
+        for name in ("metadata", item):  # a JsonSave item (Orbax's own metrics item names its file `metrics`)
+            if location.exists(name):
+                try:
+                    return json.loads(location.get(name, max_bytes=16 << 20))
+                except ValueError as e:
+                    raise CheckpointError(f"{location.where(name)}: not a JSON item: {e}") from None
+        wanted = None if target is None else {item: target}
+        return _restore(storage, wanted, mesh=mesh, partial=target is not None, verify=verify, options=options)[item]
+    if target is not None and mesh is not None:
+        raise ValueError("pass either target or mesh, not both")
+    manifest = read_manifest(storage)
+    root = manifest.tree
+    names = child_names(root) if root.get("children") else []
+    if item not in names:
+        raise KeyError(f"{storage.url} has no item {item!r}; its items: {names}")
+    node = root["children"][names.index(item)]
+    comps = leaf_components(root)
+    mine = [i for i, c in enumerate(comps) if c[0] == item]
+    values: list[Any] = [None] * len(comps)
+    if target is not None:
+        if not partial:  # the item must match the target exactly, as a whole restore would
+            match_target(target, [join_path(comps[i][1:]) for i in mine], partial=False)
+        return _restore(storage, {item: target}, partial=True, verify=verify, options=options)[item]
+    if mine:
+        wanted: dict = {}
+        for i in mine:
+            *parents, last = comps[i]
+            at = wanted
+            for p in parents:
+                at = at.setdefault(p, {})
+            at[last] = _placeholder(manifest.leaves[i], mesh)
+        got = _restore(storage, wanted, partial=True, verify=verify, options=options)
+        paths, treedef = jtu.tree_flatten_with_path(wanted)
+        index = {join_path(c): i for i, c in enumerate(comps)}
+        for (path, _), value in zip(paths, treedef.flatten_up_to(got)):
+            values[index[join_path([str(e.key) for e in path])]] = value
+    return unflatten(node, values)

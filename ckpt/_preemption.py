@@ -1,0 +1,94 @@
+"""Preemption notices for the CheckpointManager.
+
+Multi-process jobs use JAX's preemption sync point (``multihost_utils.reached_preemption_sync_point``,
+which needs ``jax.distributed``): it says True at the same step on every process. A single-process
+job has no such service, so the manager watches SIGTERM itself (what schedulers send before they
+kill a job): the handler only records the notice; the manager's next ``save`` saves that step
+whatever the interval, and once it is committed SIGTERM is handed on to the handler that was
+there before (by default: the process ends), so a notice still ends the process, one checkpoint
+later. A notice not yet handed on when the last watching manager closes is handed on then; a
+second SIGTERM while one is held is handed on at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import weakref
+from typing import Any
+
+_lock = threading.RLock()  # re-entrant: the signal handler runs on the main thread, maybe inside a `with _lock`
+_watchers: "weakref.WeakSet[Any]" = weakref.WeakSet()  # managers watching (a leaked one drops out when collected)
+_previous: Any = None  # the handler before ours, restored when the last watcher leaves
+_received = threading.Event()
+
+
+def _on_sigterm(signum, frame) -> None:
+    if _received.is_set() or not len(_watchers):
+        # A second notice (the sender insists), or no manager left to save (all were collected
+        # without close()): the signal does now what it did before.
+        _received.set()
+        hand_on()
+        return
+    _received.set()
+
+
+def watch(manager: Any) -> bool:
+    """Start watching SIGTERM for `manager`; False where signals cannot be handled here (not the
+    main thread, or a platform without SIGTERM)."""
+    global _previous
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGTERM"):
+        return False
+    with _lock:
+        # (Re)install when the handler is not ours: someone may have replaced it since.
+        if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+            try:
+                _previous = signal.signal(signal.SIGTERM, _on_sigterm)
+            except (ValueError, OSError):
+                return False
+        _watchers.add(manager)
+    return True
+
+
+def received() -> bool:
+    """Whether SIGTERM arrived and has not been handed on yet."""
+    return _received.is_set()
+
+
+def hand_on() -> None:
+    """Give a received SIGTERM to the handler that was there before ours (every manager stops
+    watching)."""
+    with _lock:
+        if not _received.is_set():
+            return
+        _received.clear()
+        _watchers.clear()
+        previous = _previous
+        _restore_previous()
+    if callable(previous):
+        previous(signal.SIGTERM, None)
+    elif previous in (signal.SIG_DFL, None):
+        os.kill(os.getpid(), signal.SIGTERM)  # the default action: the process ends
+    # SIG_IGN: the notice is dropped, as it would have been without us.
+
+
+def unwatch(manager: Any) -> None:
+    """`manager` stops watching (close): the last one puts the previous handler back, and hands
+    on a notice that no save consumed."""
+    with _lock:
+        if manager not in _watchers:
+            return
+        _watchers.discard(manager)
+        if len(_watchers):
+            return
+        pending = _received.is_set()
+        if not pending:
+            _restore_previous()
+    if pending:
+        hand_on()
+
+
+def _restore_previous() -> None:
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        signal.signal(signal.SIGTERM, _previous if _previous is not None else signal.SIG_DFL)
