@@ -126,15 +126,21 @@ class _ChunkFuture:
         self._future = None
         if len(data) != nbytes:
             raise CheckpointError(f"{s.where(key)} is truncated: it holds fewer than the {nbytes} bytes expected")
-        try:
-            longer = self._probe is not None and self._probe.result().state == "value"
-        except Exception as e:
-            if not str(e).startswith("OUT_OF_RANGE"):
-                raise storage_error(e, s.where(key)) from None
-            longer = False
-        if longer:
-            raise too_large(s.where(key), nbytes)
+        _refuse_longer(self._probe, s.where(key), nbytes)
         return np.frombuffer(data, np.uint8)
+
+
+def _refuse_longer(probe, where: str, nbytes: int) -> None:
+    """Raise if `probe` (a read of the byte just past the expected end, or None) found one:
+    the object is longer than recorded."""
+    try:
+        longer = probe is not None and probe.result().state == "value"
+    except Exception as e:
+        if not str(e).startswith("OUT_OF_RANGE"):
+            raise storage_error(e, where) from None
+        longer = False
+    if longer:
+        raise too_large(where, nbytes)
 
 
 class TensorStoreStorage(Storage):
@@ -238,14 +244,7 @@ class TensorStoreStorage(Storage):
                 if len(data) != stop - start:
                     raise CheckpointError(f"{self.where(key)} is truncated: it holds fewer than the {nbytes} bytes expected")
                 out[start:stop] = np.frombuffer(data, np.uint8)
-        try:
-            longer = probe is not None and probe.result().state == "value"
-        except Exception as e:
-            if not str(e).startswith("OUT_OF_RANGE"):
-                raise storage_error(e, self.where(key)) from None
-            longer = False
-        if longer:
-            raise too_large(self.where(key), nbytes)
+        _refuse_longer(probe, self.where(key), nbytes)
         return out
 
     def read_chunk_async(self, path: str, index: tuple[int, ...], nbytes: int, executor: Any = None) -> Any:
