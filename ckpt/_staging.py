@@ -10,7 +10,6 @@ spent; the writer gives the budget back when the chunk's write is durable and ch
 
 from __future__ import annotations
 
-import mmap
 import sys
 import threading
 import time
@@ -21,7 +20,7 @@ import jax
 import numpy as np
 
 from ckpt import _dtypes
-from ckpt._layout import box_shape, full_box, index_to_box, relative
+from ckpt._layout import full_box, index_to_box, relative
 from ckpt._plan import HOST, PackedWrite, ShardWrite
 
 PAGE = 4096  # staging buffers are page aligned and sized, for direct (O_DIRECT) writes
@@ -42,39 +41,8 @@ def _pages(nbytes: int) -> int:
 
 
 def _allocate(nbytes: int) -> np.ndarray:
-    if _USE_MMAP:
-        return _mapped(nbytes)
     from ckpt.storage import aligned_empty
     return aligned_empty(nbytes, PAGE)
-
-
-# Off: with mmap-backed buffers the memory:// engine (which keeps the buffers it is given as
-# its stored chunks) deadlocked in tests/test_manager.py (delete_tree and exists blocked);
-# not yet understood. Kept for the RSS measurement in docs/memory.md.
-_USE_MMAP = False
-
-
-def _mapped(nbytes: int) -> np.ndarray:
-    """A page-aligned uint8 buffer of its own anonymous mapping (`nbytes` whole pages).
-
-    Not from malloc: glibc serves blocks up to 32 MiB from its heap once it has seen such a block
-    freed, and keeps freed heap memory resident, which measured 30-40 MiB of RSS above the
-    budget of a save recycling 16-32 MiB chunks. A mapping is returned to the host when its last
-    view dies. Transparent huge pages are asked for, as numpy does for its own large arrays
-    (fresh memory then faults 2 MiB at a time: 0.31 s per GiB here instead of 0.66 s).
-    """
-    try:
-        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except OSError as e:
-        raise MemoryError(f"cannot map {nbytes} bytes of staging memory: {e}") from None
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            m.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
-    # Views of `owner[:]` all have `owner` as their base (see _unreferenced).
-    owner = np.frombuffer(m, np.uint8)
-    return owner[:]
 
 
 class StagingPool:

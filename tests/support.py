@@ -436,3 +436,32 @@ __all__ = [
     "copy_tree", "crc32c_reference", "dead_owner", "disk_full", "flip_byte", "io_error", "keys", "leaf_storage_path",
     "manifest_of", "plant_dead_save", "snapshot", "storage_of", "truncate", "without_lease", "write_hook_options",
 ]
+
+
+def race_two_saves(path: str, trees: tuple, engine: Any = None, timeout_s: float = 60) -> list:
+    """Two saves of trees[0] and trees[1] to `path`, each held at its commit until both have
+    staged and written everything, then released together. Returns each save's error (None for
+    a save that reported success)."""
+    gates, handles = [], []
+    for tree in trees:
+        faults = Faults(inner_engine=engine)
+        gates.append(faults.hold("commit"))
+        handles.append(ckpt.save_async(path, tree, options=faults.options()))
+    for gate in gates:
+        assert gate.entered.wait(timeout_s)
+    errors: list = [None, None]
+
+    def finish(i: int) -> None:
+        try:
+            handles[i].wait(timeout_s)
+        except BaseException as e:  # noqa: BLE001 (handed back to the test)
+            errors[i] = e
+
+    threads = [threading.Thread(target=finish, args=(i,)) for i in (0, 1)]
+    for th in threads:
+        th.start()
+    for gate in gates:
+        gate.release.set()
+    for th in threads:
+        th.join(timeout_s)
+    return errors

@@ -10,7 +10,6 @@ gcsfs sends multipart uploads, where the emulator honours it, and exactly one co
 from __future__ import annotations
 
 import os
-import threading
 import uuid
 
 import jax
@@ -21,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ckpt
 from ckpt.storage import MANIFEST_NAME, open_storage
 from servers import FakeGcs
-from support import Faults, committed_generations
+from support import committed_generations, race_two_saves
 
 BUCKET = "ckpt-test"
 TS, FS = ckpt.Options(engine="tensorstore"), ckpt.Options(engine="fsspec")
@@ -112,31 +111,8 @@ def test_manager(root):
 
 
 def _race(path, options):
-    """Two saves to `path`, both staged and written, then released into their commits together.
-    Returns each one's error (None for a save that reported success)."""
-    gates, handles = [], []
-    for k in (1, 2):
-        faults = Faults(inner_engine=options.engine)
-        gates.append(faults.hold("commit"))
-        handles.append(ckpt.save_async(path, _tree(k), options=faults.options()))
-    for gate in gates:
-        assert gate.entered.wait(60)
-    errors = [None, None]
-
-    def finish(i):
-        try:
-            handles[i].wait(60)
-        except BaseException as e:  # noqa: BLE001
-            errors[i] = e
-
-    threads = [threading.Thread(target=finish, args=(i,)) for i in (0, 1)]
-    for th in threads:
-        th.start()
-    for gate in gates:
-        gate.release.set()
-    for th in threads:
-        th.join(60)
-    return errors
+    """Two racing saves to `path` (support.race_two_saves): each one's error or None."""
+    return race_two_saves(path, (_tree(1), _tree(2)), options.engine)
 
 
 def test_racing_saves_with_gcsfs_exactly_one_commits(root):

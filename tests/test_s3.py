@@ -29,7 +29,7 @@ import ckpt
 from ckpt.cli import main as cli
 from ckpt.storage import GENERATION_MARK, MANIFEST_NAME, open_storage
 from servers import ACCESS_KEY, REGION, SECRET_KEY, CephRgw, SeaweedFS, free_ports
-from support import Faults, chunk_object, committed_generations, keys, truncate
+from support import Faults, chunk_object, committed_generations, keys, race_two_saves, truncate
 
 BUCKET = "ckpt-test"
 TS, FS = ckpt.Options(engine="tensorstore"), ckpt.Options(engine="fsspec")
@@ -473,28 +473,7 @@ def test_two_racing_saves_exactly_one_commits(root, options, trials):
     trees = {k: _tree(mesh, k) for k in (1, 2)}
     for trial in range(trials):
         path = f"{root}/c{trial}"
-        gates, handles = [], []
-        for k in (1, 2):
-            faults = Faults(inner_engine=options.engine)
-            gates.append(faults.hold("commit"))
-            handles.append(ckpt.save_async(path, trees[k], options=faults.options()))
-        for gate in gates:
-            assert gate.entered.wait(60)
-        errors = [None, None]
-
-        def finish(i):
-            try:
-                handles[i].wait(60)
-            except BaseException as e:  # noqa: BLE001
-                errors[i] = e
-
-        threads = [threading.Thread(target=finish, args=(i,)) for i in (0, 1)]
-        for th in threads:
-            th.start()
-        for gate in gates:
-            gate.release.set()
-        for th in threads:
-            th.join(60)
+        errors = race_two_saves(path, (trees[1], trees[2]), options.engine)
         failed = [i for i in (0, 1) if errors[i] is not None]
         assert len(failed) == 1, (trial, errors)
         (loser,) = failed

@@ -3,7 +3,6 @@ without renames (generations on memory://), racing saves, failures, and location
 
 import errno
 import os
-import threading
 import uuid
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
 from ckpt.storage import ENGINES, GENERATION_MARK, MANIFEST_NAME, location_text, open_storage
-from support import Faults, Location, committed_generations, io_error, keys, snapshot, storage_of, without_lease
+from support import Faults, Location, committed_generations, io_error, keys, race_two_saves, snapshot, storage_of, without_lease
 
 # ---- the tree: bf16, int8 and float32; sharded over a 4x2 mesh and replicated; a scalar --------
 
@@ -248,29 +247,7 @@ def test_racing_saves_exactly_one_commits(kind, tmp_path):
     loc = Location.make(kind, tmp_path)
     mesh = _mesh()
     path = loc("c")
-    gates, handles, faults = [], [], []
-    for k in (1, 2):
-        f = Faults()
-        gates.append(f.hold("commit"))
-        faults.append(f)
-        handles.append(ckpt.save_async(path, _scaled_tree(mesh, k), options=f.options()))
-    for gate in gates:
-        assert gate.entered.wait(30)  # both have staged and written everything
-    errors = [None, None]
-
-    def finish(i):
-        try:
-            handles[i].wait(60)
-        except BaseException as e:  # noqa: BLE001
-            errors[i] = e
-
-    threads = [threading.Thread(target=finish, args=(i,)) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for gate in gates:
-        gate.release.set()
-    for t in threads:
-        t.join(60)
+    errors = race_two_saves(path, (_scaled_tree(mesh, 1), _scaled_tree(mesh, 2)))
     try:
         failed = [i for i in (0, 1) if errors[i] is not None]
         assert len(failed) == 1, errors
