@@ -28,6 +28,7 @@ import numpy as np
 from ckpt import _dtypes
 from ckpt._checksum import chunk_checksum
 from ckpt._errors import CheckpointError, ChecksumError
+from ckpt._host_memory import return_to_os
 from ckpt._layout import (
     Box, box_shape, box_size, chunk_box, chunk_grid, chunk_key, chunks_overlapping, flat_chunk_index, full_box,
     index_to_box, intersect, relative,
@@ -207,6 +208,7 @@ class _Reader:
                 # only by the cyclic collector (one piece lingered per device; restore pauses
                 # the collector): a young-generation pass frees it before the next batch.
                 gc.collect(0)
+            return_to_os()  # the batch's read buffers (a restore larger than its budget reuses none)
         return out
 
     def read(self, plans: list[LeafReadPlan]) -> dict[int, dict[Box, np.ndarray]]:

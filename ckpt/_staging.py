@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from ckpt import _dtypes
+from ckpt._host_memory import return_to_os as _return_to_os
 from ckpt._layout import full_box, index_to_box, relative
 from ckpt._plan import HOST, PackedWrite, ShardWrite
 
@@ -76,21 +77,25 @@ class StagingPool:
         self._free.setdefault(buf.nbytes, []).append(buf)
         self.free_bytes += buf.nbytes
 
-    def _shrink(self, limit: int) -> None:
-        """Drop free buffers (largest first) until at most `limit` bytes are free."""
+    def _shrink(self, limit: int) -> int:
+        """Drop free buffers (largest first) until at most `limit` bytes are free; the bytes
+        dropped (the caller then calls _return_to_os, outside the lock)."""
+        before = self.free_bytes
         for n in sorted(self._free, reverse=True):
             bufs = self._free[n]
             while bufs and self.free_bytes > limit:
                 bufs.pop()
                 self.free_bytes -= n
         self._free = {n: b for n, b in self._free.items() if b}
+        return before - self.free_bytes
 
     def release(self) -> int:
         """Drop every free buffer; return the bytes dropped."""
         with _COND:
-            freed = self.free_bytes
-            self._shrink(0)
-            return freed
+            freed = self._shrink(0)
+        if freed:
+            _return_to_os()
+        return freed
 
 
 POOL = StagingPool()
@@ -141,8 +146,10 @@ class SaveBudget:
         self._lingering: deque = deque()  # (buffer, deadline): released, still referenced
         self._error: BaseException | None = None
         with _COND:
-            pool._shrink(limit)
+            dropped = pool._shrink(limit)
             self._note()
+        if dropped:
+            _return_to_os()
 
     def _note(self) -> None:
         self.high_water = max(self.high_water, self.used + self.pool.free_bytes)
@@ -151,57 +158,71 @@ class SaveBudget:
         """Count `nbytes` (with a page-aligned buffer of that size when `buffer`); None if that
         would exceed the budget and not `block`. Raises StagingAborted once the writer failed."""
         need = _pages(nbytes) if buffer else nbytes
-        with _COND:
-            while True:
-                if self._error is not None:
-                    raise StagingAborted("the save's writes failed") from self._error
-                self._settle()
-                if buffer and self.keep:
-                    buf = self.pool._pop(need)
-                    if buf is not None:
-                        self.used += buf.nbytes
-                        self._note()
-                        return Lease(buf.nbytes, buf)
-                free = self.pool.free_bytes
-                if self.used + free + need > self.limit and free:
-                    # Free buffers of other sizes make room for this one.
-                    self.pool._shrink(max(0, self.limit - self.used - need))
+        dropped, pooled, counted = 0, None, False
+        try:
+            with _COND:
+                while True:
+                    if self._error is not None:
+                        raise StagingAborted("the save's writes failed") from self._error
+                    self._settle()
+                    if buffer and self.keep:
+                        pooled = self.pool._pop(need)
+                        if pooled is not None:
+                            self.used += pooled.nbytes
+                            self._note()
+                            return Lease(pooled.nbytes, pooled)
                     free = self.pool.free_bytes
-                if self.used + free + need <= self.limit or self.used == 0:
-                    self.used += need
-                    self._note()
-                    break
-                if not block:
-                    return None
-                self.waited = True
-                # (a lingering buffer frees no one to notify: look again shortly)
-                _COND.wait(0.002 if self._lingering else None)
+                    if self.used + free + need > self.limit and free:
+                        # Free buffers of other sizes make room for this one.
+                        dropped += self.pool._shrink(max(0, self.limit - self.used - need))
+                        free = self.pool.free_bytes
+                    if self.used + free + need <= self.limit or self.used == 0:
+                        self.used += need
+                        self._note()
+                        counted = True
+                        break
+                    if not block:
+                        return None
+                    self.waited = True
+                    # (a lingering buffer frees no one to notify: look again shortly)
+                    _COND.wait(0.002 if self._lingering else None)
+        finally:
+            if dropped:
+                _return_to_os()  # (before allocating: the new buffer may reuse those pages)
         if not buffer:
             return Lease(need, None)
         try:
             return Lease(need, _allocate(need))
         except BaseException:
-            self.release(Lease(need, None))
+            if counted:
+                self.release(Lease(need, None))
             raise
 
     def release(self, lease: Lease) -> None:
         """Give back a lease whose chunk is durable and no longer read; its buffer is pooled
         when nothing else references it and the budget has room for it."""
         buf, lease.buffer = lease.buffer, None
+        dropped = False
         with _COND:
             self._settle()
             if buf is not None and not _unreferenced(buf):
                 # Still read somewhere: its memory is not free yet, so it stays counted.
                 self._lingering.append((buf, time.monotonic() + RELEASE_GRACE_S))
             else:
-                self._free(buf, lease.nbytes)
+                dropped = not self._free(buf, lease.nbytes) and buf is not None
             _COND.notify_all()  # (a waiter then looks again, and polls lingering buffers)
+        if dropped:
+            del buf
+            _return_to_os()
 
-    def _free(self, buf: np.ndarray | None, nbytes: int) -> None:
+    def _free(self, buf: np.ndarray | None, nbytes: int) -> bool:
+        """Uncount `nbytes`; pool `buf` if there is room. Whether it was pooled."""
         self.used -= nbytes
         if buf is not None and self.keep and self._error is None:
             if self.used + self.pool.free_bytes + buf.nbytes <= self.limit:
                 self.pool._push(buf)
+                return True
+        return False
 
     def _settle(self) -> None:
         """Uncount lingering buffers that are now unreferenced (pooling them) or past their

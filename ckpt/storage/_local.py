@@ -1,8 +1,8 @@
 """The local engine: a directory on a POSIX file system, the fast path.
 
-Chunks are written through TensorStore's zarr3 driver with direct I/O from the library's
-page-aligned buffers (each file fsynced) and read back whole with O_DIRECT into aligned buffers;
-small files, listing and deletion are plain system calls. A save is staged in a sibling
+Chunk files are written by the library's own I/O threads with O_DIRECT from its page-aligned
+staging buffers (each file and its directory fsynced; ``_chunk_files``) and read back whole with
+O_DIRECT into aligned buffers; small files, listing and deletion are plain system calls. A save is staged in a sibling
 ``<path>.tmp-<hex>`` directory and committed by one rename (renameat2 NOREPLACE, or EXCHANGE when
 overwriting), so the checkpoint's own layout has no generation prefix.
 
@@ -24,19 +24,22 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import math
 import os
 import secrets
 import shutil
 import stat
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
 from ckpt._errors import CheckpointError
+from ckpt._layout import Box, chunk_index_of, chunk_key
 from ckpt.storage._base import (
-    TEMP_MARK, Staged, Usage, aligned_empty, check_key, file_kind, size_mismatch,
+    TEMP_MARK, ArraySpec, Staged, Usage, aligned_empty, check_key, file_kind, size_mismatch,
 )
+from ckpt.storage._chunk_files import ChunkFileWriter
 from ckpt.storage._owners import (
     _OWN_TEMP, OWNER_LIMIT_BYTES, OWNER_NAME, UNOWNED_GRACE_S, DirLock, Leftover, SaveLock, _boot_id, _lock_holder,
     owner_bytes, owner_gone, owner_text, parse_owner,
@@ -146,6 +149,7 @@ class LocalStorage(TensorStoreStorage):
         self._concurrency = concurrency
         self._pinned_fd = pinned_fd
         self._hold: DirLock | None = None  # set on a displaced checkpoint until it is removed
+        self._chunk_writer: ChunkFileWriter | None = None
         super().__init__({"driver": "file", "path": self.root.rstrip("/") + "/"}, self.root,
                          shared_context("local", concurrency))
 
@@ -286,6 +290,27 @@ class LocalStorage(TensorStoreStorage):
         if filled != nbytes:
             raise size_mismatch(file, filled, nbytes)
         return buf[:nbytes]
+
+    def open_arrays(self, arrays: dict[Any, tuple[str, ArraySpec]]) -> dict[Any, Any]:
+        return {k: (path, spec.chunk_shape) for k, (path, spec) in arrays.items()}
+
+    def write_chunk(self, handle: Any, box: Box, data: np.ndarray) -> Any:
+        # The chunk file is the chunk's bytes (the ``bytes`` codec), written from `data` itself.
+        # An edge chunk's file still holds the whole chunk shape, the part outside the array
+        # zeros (the fill value): appended when only the first dimension is cut, else laid out.
+        path, chunk_shape = handle
+        chunk_shape = tuple(chunk_shape)
+        size = None
+        if data.shape != chunk_shape:
+            if data.shape[1:] == chunk_shape[1:]:
+                size = math.prod(chunk_shape) * data.dtype.itemsize
+            else:
+                padded = np.zeros(chunk_shape, data.dtype)
+                padded[tuple(slice(0, n) for n in data.shape)] = data
+                data = padded
+        if self._chunk_writer is None:
+            self._chunk_writer = ChunkFileWriter(self.root, self._concurrency)
+        return self._chunk_writer.write(f"{path}/{chunk_key(chunk_index_of(box, chunk_shape))}", data, size)
 
     def exists(self, key: str) -> bool:
         """Whether `key` is a regular file reached without following links."""

@@ -1,0 +1,129 @@
+"""Chunk files written by the local engine itself: one file per chunk, straight from the
+library's page-aligned host buffers with O_DIRECT, by a process-wide pool of I/O threads.
+
+With the ``bytes`` codec a chunk file is exactly the chunk's little-endian bytes, so writing it
+needs no encoder. Going through TensorStore's zarr3 driver instead cost host memory the save's
+budget could not see (its own buffers per write in flight, which the allocator then kept: peak
+RSS 70 MiB over a 256 MiB budget) and throughput (field notes: ~1.2 GiB/s for its direct mode;
+these threads write 1.6 GiB/s on the same disk, docs/benchmarks.md).
+
+Durability: each file is fsynced, then its directory (and every directory created for it, then
+that one's parent), before its future resolves; a chunk reported written survives a crash.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+_PAGE = 4096  # O_DIRECT wants the buffer, the length and the file offset aligned (to 512 or 4096)
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+_direct_writes: bool | None = None  # unknown until the first open (tmpfs, for one, refuses it)
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(concurrency: int) -> ThreadPoolExecutor:
+    with _pools_lock:
+        if concurrency not in _pools:
+            _pools[concurrency] = ThreadPoolExecutor(concurrency, thread_name_prefix="ckpt-write")
+        return _pools[concurrency]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _open_for_write(path: str, direct: bool) -> tuple[int, bool]:
+    """(fd, whether it is O_DIRECT)."""
+    global _direct_writes
+    if direct and _direct_writes is not False and hasattr(os, "O_DIRECT"):
+        try:
+            fd = os.open(path, _WRITE_FLAGS | os.O_DIRECT, 0o644)
+            _direct_writes = True
+            return fd, True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            _direct_writes = False
+    return os.open(path, _WRITE_FLAGS, 0o644), False
+
+
+def write_file(path: str, data: np.ndarray, size: int | None = None) -> None:
+    """Write `data`'s bytes (C-contiguous) as the file `path`, then zeros up to `size` bytes
+    when given, fsynced. The page-aligned part goes out with O_DIRECT when the buffer is page
+    aligned; a tail, or any buffer that is not, through the page cache."""
+    mv = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    n = len(mv)
+    direct = n >= _PAGE and data.ctypes.data % _PAGE == 0
+    fd, direct = _open_for_write(path, direct)
+    try:
+        done = 0
+        while done < n:
+            if direct and (n - done < _PAGE or done % _PAGE):
+                # The unaligned tail (or an odd short write): O_DIRECT off for the rest.
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                direct = False
+            end = done + (n - done) // _PAGE * _PAGE if direct else n
+            written = os.write(fd, mv[done:end])
+            if written <= 0:
+                raise OSError(errno.EIO, "short write", path)
+            done += written
+        if size is not None and size > n:
+            os.ftruncate(fd, size)
+        os.fsync(fd)
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, path) from None
+        raise
+    finally:
+        os.close(fd)
+
+
+class ChunkFileWriter:
+    """Writes the chunk files of one staged checkpoint directory, `root`."""
+
+    def __init__(self, root: str, concurrency: int):
+        self.root = root
+        self._pool = _pool(concurrency)
+        self._dirs: set[str] = set()  # directories known to exist durably
+        self._dirs_lock = threading.Lock()
+
+    def _ensure_dir(self, path: str) -> None:
+        if path in self._dirs:
+            return
+        with self._dirs_lock:
+            missing, d = [], path
+            while d not in self._dirs and not os.path.isdir(d):
+                missing.append(d)
+                d = os.path.dirname(d)
+            for d in reversed(missing):
+                try:
+                    os.mkdir(d)
+                except FileExistsError:
+                    pass
+                _fsync_dir(os.path.dirname(d))
+            self._dirs.add(path)
+
+    def _write(self, key: str, data: np.ndarray, size: int | None) -> None:
+        path = os.path.join(self.root, key)
+        parent = os.path.dirname(path)
+        self._ensure_dir(parent)
+        write_file(path, data, size)
+        _fsync_dir(parent)
+
+    def write(self, key: str, data: np.ndarray, size: int | None = None) -> Future:
+        """Start writing the file `key` (relative to root): `data`'s bytes, then zeros up to
+        `size` bytes when given; durable once the returned future resolves. The caller does
+        not change `data` until then."""
+        return self._pool.submit(self._write, key, data, size)
