@@ -5,13 +5,16 @@ numpy result or its devices' arrays unit by unit.
 Each device's shard is its own ``jax.device_put`` of a host buffer; a shard larger than the host
 budget arrives in pieces, each put on the device and written into a device buffer there
 (``dynamic_update_slice`` with the buffer donated, so the device holds one copy of the shard
-plus one piece); ``jax.make_array_from_single_device_arrays`` makes the array. Host buffers
-handed to ``device_put`` are never written afterwards (on CPU the device may adopt them).
+plus one piece; a CPU device's shard is instead filled in place in a host buffer the device
+then adopts, which compiles nothing); ``jax.make_array_from_single_device_arrays`` makes the
+array. Host buffers handed to ``device_put`` are never written afterwards (on CPU the device may
+adopt them).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,6 +119,10 @@ class _Unit:
     cost: int  # host bytes besides its sources': assembly and dtype conversion
 
 
+# Off only in a test, so that the accelerators' way (pieces updated on the device) runs on CPU.
+FILL_CPU_SHARDS_IN_PLACE = True
+
+
 @functools.lru_cache(maxsize=64)
 def _zeros_on(shape: tuple[int, ...], dtype: np.dtype, sharding) -> Callable[[], jax.Array]:
     """Zeros made on the device itself (``jnp.zeros(..., device=)`` measured twice the array's
@@ -144,6 +151,7 @@ class _Build:
             for d, i in idx.items():
                 self.by_box.setdefault(index_to_box(i, rec.shape), []).append(d)
             self.parts: dict = {}
+            self.host_parts: dict[Box, np.ndarray] = {}  # CPU devices: shards filled piece by piece
 
     def put(self, unit: _Unit, data: np.ndarray, own: bool, lease) -> list:
         """Place `data` (unit.box, in the wanted dtype; `own`: a buffer of this unit alone);
@@ -160,6 +168,17 @@ class _Build:
         made = []
         memory_kind = getattr(self.sharding, "memory_kind", None)
         devices = self.by_box[unit.region]
+        if unit.box != unit.region and devices[0].platform == "cpu" and FILL_CPU_SHARDS_IN_PLACE:
+            # A CPU device's memory is host memory: its shard is filled in place, in a buffer
+            # the device adopts once complete (value()), with no compiled update per piece.
+            buf = self.host_parts.get(unit.region)
+            if buf is None:
+                dtype = np.dtype(self.want.dtype)
+                shape = box_shape(unit.region)
+                buf = aligned_empty(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
+                self.host_parts[unit.region] = buf
+            buf[relative(unit.box, unit.region) + (...,)] = data
+            return []
         host = _adoptable(data, devices[0], lease)
         for d in devices:
             placed = jax.device_put(host, SingleDeviceSharding(d, memory_kind=memory_kind))
@@ -189,6 +208,11 @@ class _Build:
             if rec.kind == PRNG_KEY:  # typed keys have no numpy form: a key array on the default device
                 return jax.random.wrap_key_data(value, impl=rec.prng_impl)
             return value[()] if rec.kind == NUMPY_SCALAR else value
+        memory_kind = getattr(self.sharding, "memory_kind", None)
+        for region, buf in self.host_parts.items():
+            for d in self.by_box[region]:
+                self.parts[d] = jax.device_put(buf, SingleDeviceSharding(d, memory_kind=memory_kind))
+        self.host_parts = {}
         arrays = [self.parts.get(d) for d in self.devices]
         if any(a is None for a in arrays):  # an array with no elements: nothing was read
             arrays = [jax.device_put(np.empty(box_shape(b), self.want.dtype), d)

@@ -41,7 +41,17 @@ def _within(stats, budget=BUDGET):
     assert 0 < stats.host_high_water <= budget, stats.host_high_water
 
 
-def test_an_array_many_times_the_budget_restores_shard_by_shard(location):
+@pytest.fixture(params=["in place", "on device"])
+def fill(request, monkeypatch):
+    """Both ways a shard larger than the budget is filled: in a host buffer the CPU device then
+    adopts, and the accelerators' way (each piece updated into a device buffer)."""
+    from ckpt import _place
+
+    monkeypatch.setattr(_place, "FILL_CPU_SHARDS_IN_PLACE", request.param == "in place")
+    return request.param
+
+
+def test_an_array_many_times_the_budget_restores_shard_by_shard(location, fill):
     mesh = jax.make_mesh((4, 2), ("x", "y"))
     s = NamedSharding(mesh, P("x", "y"))
     value = _big()  # 512 KiB: 10x the budget; each device's shard (64 KiB) is over it too
@@ -53,7 +63,7 @@ def test_an_array_many_times_the_budget_restores_shard_by_shard(location):
 
 
 @pytest.mark.parametrize("target", ["same", "one device"])
-def test_a_budget_of_about_one_chunk_streams_chunk_by_chunk(location, target):
+def test_a_budget_of_about_one_chunk_streams_chunk_by_chunk(location, target, fill):
     """Each piece placed is one whole chunk, put on the device as read (no host copy)."""
     mesh = jax.make_mesh((4, 2), ("x", "y"))
     s = NamedSharding(mesh, P("x", "y"))
