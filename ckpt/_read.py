@@ -28,7 +28,7 @@ import numpy as np
 from ckpt import _dtypes
 from ckpt._checksum import chunk_checksum
 from ckpt._errors import CheckpointError, ChecksumError
-from ckpt._host_memory import return_to_os
+from ckpt._host_memory import PAGE, ReadBuffers, return_to_os
 from ckpt._layout import (
     Box, box_shape, box_size, chunk_box, chunk_grid, chunk_key, chunks_overlapping, flat_chunk_index, full_box,
     index_to_box, intersect, relative,
@@ -63,6 +63,8 @@ class _Reader:
         self.options = options
         self.budget = HostBudget(options.host_budget_bytes)
         stats.host_budget = options.host_budget_bytes
+        # Read buffers reused batch after batch, where the engine reads into given buffers.
+        self.buffers = ReadBuffers(self.budget) if getattr(storage, "reads_into_buffers", False) else None
         self._plans: dict[tuple, LeafReadPlan] = {}
 
     def plan(self, want: _Want) -> LeafReadPlan:
@@ -96,6 +98,11 @@ class _Reader:
         padded = math.prod(st.chunk_shape) * itemsize
         trimmed = box_size(chunk_box(key[2], st.chunk_shape, self._shape_of(key))) * itemsize
         return padded + (trimmed if trimmed != padded else 0)
+
+    def _buffer_bytes(self, key: tuple) -> int:
+        """The read buffer a chunk source needs: its whole chunk shape, in whole pages."""
+        st = self._array_of(key)
+        return -(-math.prod(st.chunk_shape) * np.dtype(st.data_type).itemsize // PAGE) * PAGE
 
     def _array_of(self, key: tuple):
         return self._sources[key][0].zarr if key[0] == "z" else self._sources[key][0].stacked.array.zarr
@@ -180,36 +187,56 @@ class _Reader:
         for k, b in enumerate(builds):
             if b.left == 0:
                 out[wants[k].index] = b.value()
-        for batch in self._batches(groups):
-            with self._batch_sources(batch) as get:
-                pending = []
-                for u in batch:
-                    lease = _Lease(self.budget)
-                    data, whole_chunk = self._assemble(u, get, lease)
-                    w = wants[u.k]
-                    data, converted = self._convert(self.leaves[w.index], w, data, lease)
-                    made = builds[u.k].put(u, data, whole_chunk or converted, lease)
-                    del data
-                    # Host buffers handed to device_put stay alive until the copies finish. A
-                    # unit's own copies are given back once placed (a batch holds its sources
-                    # and one unit's copies at a time); a unit placed straight from its
-                    # sources is waited for at the end of the batch, so that the copies to
-                    # the devices overlap the reads still arriving.
-                    if lease.taken:
-                        jax.block_until_ready(made)
-                        lease.close()
-                    else:
-                        pending += made
-                    if builds[u.k].left == 0:
-                        out[w.index] = builds[u.k].value()
-                jax.block_until_ready(pending)
-            if any(u.box != u.region for u in batch):
-                # A piece put on a CPU device and then copied into the device's shard is freed
-                # only by the cyclic collector (one piece lingered per device; restore pauses
-                # the collector): a young-generation pass frees it before the next batch.
-                gc.collect(0)
-            return_to_os()  # the batch's read buffers (a restore larger than its budget reuses none)
+        # Batches of at most half the budget, so that the next batch's reads are in flight
+        # while this one is assembled and placed (two batches held at once: the budget).
+        batches = self._batches(groups, self.budget.limit // 2)
+        ahead = None  # the next batch's sources, its reads issued
+        try:
+            for i, (batch, cost) in enumerate(batches):
+                get, ahead = ahead or self._batch_sources(batch).__enter__(), None
+                try:
+                    if i + 1 < len(batches) and cost + batches[i + 1][1] <= self.budget.limit:
+                        ahead = self._batch_sources(batches[i + 1][0]).__enter__()
+                    self._place_batch(batch, get, builds, out)
+                finally:
+                    get.__exit__(None, None, None)
+                    del get
+                if any(u.box != u.region for u in batch):
+                    # A piece put on a CPU device and then copied into the device's shard is
+                    # freed only by the cyclic collector (one piece lingered per device; restore
+                    # pauses the collector): a young-generation pass frees it before the next batch.
+                    gc.collect(0)
+                return_to_os()  # what the batch freed (read buffers a device adopted stay in use)
+        finally:
+            if ahead is not None:
+                ahead.__exit__(None, None, None)
+        if self.buffers is not None:
+            self.buffers.close()
         return out
+
+    def _place_batch(self, batch: list[_Unit], get: "_Sources", builds: list[_Build], out: dict) -> None:
+        wants = self.wants
+        pending = []
+        for u in batch:
+            lease = _Lease(self.budget)
+            data, whole_chunk = self._assemble(u, get, lease)
+            w = wants[u.k]
+            data, converted = self._convert(self.leaves[w.index], w, data, lease)
+            made = builds[u.k].put(u, data, whole_chunk or converted, lease)
+            del data
+            # Host buffers handed to device_put stay alive until the copies finish. A unit's
+            # own copies are given back once placed (a batch holds its sources and one unit's
+            # copies at a time); a unit placed straight from its sources is waited for at the
+            # end of the batch, so that the copies to the devices overlap the reads still
+            # arriving.
+            if lease.taken:
+                jax.block_until_ready(made)
+                lease.close()
+            else:
+                pending += made
+            if builds[u.k].left == 0:
+                out[w.index] = builds[u.k].value()
+        jax.block_until_ready(pending)
 
     def read(self, plans: list[LeafReadPlan]) -> dict[int, dict[Box, np.ndarray]]:
         """The regions of each plan (storage dtype), every chunk read once, verified; one batch
@@ -224,6 +251,8 @@ class _Reader:
         with self._batch_sources(units) as get:
             for u in units:
                 out[plans[u.k].leaf][u.box] = self._assemble(u, get, get.lease)[0]
+        if self.buffers is not None:
+            self.buffers.close()
         return out
 
     def _count_plan(self, want: _Want, plan: LeafReadPlan) -> None:
@@ -233,17 +262,17 @@ class _Reader:
         own = rec.stacked.array.member_bytes if rec.stacked is not None else 0
         self.stats.per_leaf[rec.path] = (own, plan.bytes_needed)
 
-    def _batches(self, groups: list[list[_Unit]]) -> list[list[_Unit]]:
-        """Consecutive groups whose sources (each counted once) and largest unit copies fit
-        the budget; a group over it alone (its smallest tile is one chunk larger than the
-        budget) is a batch of its own: a chunk is read once for all the units that need it."""
+    def _batches(self, groups: list[list[_Unit]], limit: int) -> list[tuple[list[_Unit], int]]:
+        """(batch, its bytes): consecutive groups whose sources (each counted once) and largest
+        unit copies fit `limit`; a group over it alone is a batch of its own (a chunk is read
+        once for all the units that need it)."""
         batches, current, keys, sources, most = [], [], set(), 0, 0
         for g in groups:
             new = {p.key for u in g for p in u.pieces} - keys
             add = sum(self._source_bytes(key) for key in new)
             cost = max(u.cost for u in g)
-            if current and sources + add + max(most, cost) > self.budget.limit:
-                batches.append(current)
+            if current and sources + add + max(most, cost) > limit:
+                batches.append((current, sources + most))
                 current, keys, sources, most = [], set(), 0, 0
                 new = {p.key for u in g for p in u.pieces}
                 add = sum(self._source_bytes(key) for key in new)
@@ -252,7 +281,7 @@ class _Reader:
             sources += add
             most = max(most, cost)
         if current:
-            batches.append(current)
+            batches.append((current, sources + most))
         return batches
 
     def _batch_sources(self, batch: list[_Unit]):
@@ -293,10 +322,10 @@ class _Reader:
             copied = True
         return b, copied
 
-    def issue(self, key: tuple, lease: _Lease, executor: ThreadPoolExecutor) -> Any:
+    def issue(self, key: tuple, lease: _Lease, executor: ThreadPoolExecutor, into: np.ndarray | None = None) -> Any:
         """Start reading a source: a future of its raw bytes (inline data: its array, at hand).
         Engines with their own asynchronous I/O (``Storage.read_chunk_async``) issue the read
-        from this thread; others read on `executor`."""
+        from this thread; others read on `executor`. `into`: a buffer from ``self.buffers``."""
         rec, _ = self._sources[key]
         if key[0] == "i":
             a = _dtypes.to_storage(rec.inline_array())
@@ -309,9 +338,10 @@ class _Reader:
         lease.take(padded)
         read_async = getattr(self.storage, "read_chunk_async", None)
         try:
+            extra = () if into is None else (into,)
             if read_async is not None:
-                return read_async(st.path, key[2], padded, executor)
-            return executor.submit(self.storage.read_chunk, st.path, key[2], padded)
+                return read_async(st.path, key[2], padded, executor, *extra)
+            return executor.submit(self.storage.read_chunk, st.path, key[2], padded, *extra)
         except (OSError, CheckpointError) as e:  # reported where the chunk is used, naming it
             return Done(error=e)
 
@@ -368,7 +398,18 @@ class _Sources:
         r = self.reader
         keys = list(dict.fromkeys(p.key for u in self.batch for p in u.pieces))
         self.pool = ThreadPoolExecutor(r.options.io_concurrency, thread_name_prefix="ckpt-read")
-        self.futures = {key: r.issue(key, self.lease, self.pool) for key in keys}
+        self.buffers: list[np.ndarray] = []
+        sizes = {key: r._buffer_bytes(key) for key in keys if key[0] != "i"} if r.buffers is not None else {}
+        if sizes:
+            r.buffers.prepare(list(sizes.values()))
+        self.futures = {}
+        for key in keys:
+            into = None
+            if key in sizes:
+                into = r.buffers.get(sizes[key])
+                if into is not None:
+                    self.buffers.append(into)
+            self.futures[key] = r.issue(key, self.lease, self.pool, into)
         for key in keys:
             if key[0] == "i":
                 continue
@@ -392,4 +433,7 @@ class _Sources:
         self.pool.shutdown(cancel_futures=True)  # after a failure, skip the reads not yet started
         self.futures, self.done = {}, {}
         self.lease.close()
+        if self.buffers:
+            self.reader.buffers.put_back(self.buffers)
+            self.buffers = []
         return False

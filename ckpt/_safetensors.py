@@ -372,7 +372,7 @@ class _ChunkSource:
         t = self.tset.tensors[int(key.split("/", 1)[0])]
         return f"{self.tset.reader.storage.where(t.file)}, tensor {t.name!r}"
 
-    def read_chunk(self, path: str, index: tuple[int, ...], nbytes: int) -> np.ndarray:
+    def read_chunk(self, path: str, index: tuple[int, ...], nbytes: int, into: np.ndarray | None = None) -> np.ndarray:
         i = int(path)
         t, rec = self.tset.tensors[i], self.leaves[i]
         out = aligned_empty(nbytes)

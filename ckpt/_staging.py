@@ -10,7 +10,6 @@ spent; the writer gives the budget back when the chunk's write is durable and ch
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections import deque
@@ -21,6 +20,7 @@ import numpy as np
 
 from ckpt import _dtypes
 from ckpt._host_memory import return_to_os as _return_to_os
+from ckpt._host_memory import unreferenced as _unreferenced
 from ckpt._layout import full_box, index_to_box, relative
 from ckpt._plan import HOST, PackedWrite, ShardWrite
 
@@ -261,15 +261,6 @@ class SaveBudget:
         with _COND:
             self._error = error
             _COND.notify_all()
-
-
-def _unreferenced(buf: np.ndarray) -> bool:
-    # Views of a buffer (the host arrays handed to storage) reference the array that owns the
-    # memory, not `buf`, so that is the one to count. Expected: buf.base, `owner`, and
-    # getrefcount's argument. More means a view is still alive somewhere (a storage engine that
-    # kept the chunk): never reuse it.
-    owner = buf.base
-    return owner is not None and sys.getrefcount(owner) <= 3
 
 
 def _copies_on_conversion(dtype: np.dtype) -> bool:

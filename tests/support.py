@@ -343,12 +343,12 @@ class FaultyStorage(WrapperStorage):
     def get(self, key, *, max_bytes):
         return self._call("get", self.where(key), lambda k: self.inner.get(k, max_bytes=max_bytes), key)
 
-    def read_exact(self, key, nbytes):
-        return self._call("read_exact", self.where(key), self.inner.read_exact, key, nbytes)
+    def read_exact(self, key, nbytes, into=None):
+        return self._call("read_exact", self.where(key), self.inner.read_exact, key, nbytes, into)
 
-    def read_chunk(self, path, index, nbytes):
+    def read_chunk(self, path, index, nbytes, into=None):
         return self._call("read_chunk", self.where(f"{path}/{chunk_key(index)}"), self.inner.read_chunk,
-                          path, index, nbytes)
+                          path, index, nbytes, into)
 
     def put(self, key, data):
         return self._call("put", self.where(key), self.inner.put, key, data)

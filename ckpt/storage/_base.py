@@ -202,12 +202,15 @@ class Storage(ABC):
 
     Capability flags:
       ``renames``: a staged directory is published by an atomic rename (local disk);
-      ``conditional_writes``: ``put_if_absent`` is atomic against other writers.
+      ``conditional_writes``: ``put_if_absent`` is atomic against other writers;
+      ``reads_into_buffers``: ``read_exact`` reads into the caller's buffer (``into``), so a
+      restore can reuse its read buffers batch after batch.
     """
 
     engine: str = "?"
     renames: bool = False
     conditional_writes: bool = False
+    reads_into_buffers: bool = False
 
     # ---- location ----------------------------------------------------------------------
 
@@ -251,11 +254,13 @@ class Storage(ABC):
         docstring: confined reads)."""
 
     @abstractmethod
-    def read_exact(self, key: str, nbytes: int) -> np.ndarray:
+    def read_exact(self, key: str, nbytes: int, into: np.ndarray | None = None) -> np.ndarray:
         """The object's bytes into a fresh 64-byte-aligned uint8 buffer. FileNotFoundError when
         missing; CheckpointError naming the object when it does not hold exactly `nbytes` (no
         more than `nbytes` is ever read, nor allocated before the size is known to fit) or is not
-        a plain object."""
+        a plain object. `into`: a page-aligned uint8 buffer of `nbytes` rounded up to whole pages
+        plus one page, which engines with ``reads_into_buffers`` read into (the result is then
+        a view of it); others ignore it."""
 
     def pin(self) -> contextlib.AbstractContextManager["Storage"]:
         """A context whose storage keeps reading what is at this location now, even if the
@@ -335,17 +340,18 @@ class Storage(ABC):
         the storage dtype); returns a future, durable once it resolves. The caller owns `data` and
         does not change it until then."""
 
-    def read_chunk(self, path: str, index: tuple[int, ...], nbytes: int) -> np.ndarray:
+    def read_chunk(self, path: str, index: tuple[int, ...], nbytes: int, into: np.ndarray | None = None) -> np.ndarray:
         """The bytes of one chunk file of the array at `path` (see read_exact)."""
-        return self.read_exact(f"{path}/{chunk_key(index)}", nbytes)
+        return self.read_exact(f"{path}/{chunk_key(index)}", nbytes, into)
 
-    def read_chunk_async(self, path: str, index: tuple[int, ...], nbytes: int, executor: Any) -> Any:
+    def read_chunk_async(self, path: str, index: tuple[int, ...], nbytes: int, executor: Any,
+                         into: np.ndarray | None = None) -> Any:
         """Start reading one chunk file (see read_chunk): a future whose ``result()`` is its
         bytes (possibly a read-only array). The restore reader issues a batch's reads at once
         and checks each as it is used. The default runs read_chunk on `executor` (the reader's
         pool, ``io_concurrency`` threads); engines with asynchronous I/O of their own override
         it to issue the read from the calling thread, with the same checks as read_exact."""
-        return executor.submit(self.read_chunk, path, index, nbytes)
+        return executor.submit(self.read_chunk, path, index, nbytes, into)
 
     # ---- commit ------------------------------------------------------------------------
 

@@ -166,7 +166,7 @@ class FsspecStorage(Storage):
             raise too_large(self.where(key), max_bytes)
         return data
 
-    def read_exact(self, key: str, nbytes: int) -> np.ndarray:
+    def read_exact(self, key: str, nbytes: int, into: np.ndarray | None = None) -> np.ndarray:
         out = read_buffer(nbytes, self.where(key))
         # In pieces (READ_PIECE): no buffer but `out` ever holds the whole object.
         for start in range(0, nbytes + 1, READ_PIECE):

@@ -143,6 +143,7 @@ class LocalStorage(TensorStoreStorage):
     engine = "local"
     renames = True
     conditional_writes = True
+    reads_into_buffers = True
 
     def __init__(self, root: str, concurrency: int, pinned_fd: int | None = None):
         self.root = os.path.abspath(root)
@@ -261,7 +262,7 @@ class LocalStorage(TensorStoreStorage):
             raise size_mismatch(path, len(data), max_bytes)
         return data
 
-    def read_exact(self, key: str, nbytes: int) -> np.ndarray:
+    def read_exact(self, key: str, nbytes: int, into: np.ndarray | None = None) -> np.ndarray:
         """One whole file, read straight into a page-aligned buffer.
 
         With the ``bytes`` codec a chunk file is exactly the chunk's little-endian bytes, so this
@@ -275,10 +276,13 @@ class LocalStorage(TensorStoreStorage):
             if st.st_size != nbytes:
                 raise size_mismatch(file, st.st_size, nbytes)
             padded = -(-nbytes // _PAGE) * _PAGE  # direct reads want whole pages
-            try:
-                buf = aligned_empty(padded + _PAGE, _PAGE)  # one page more, to see a file that grew
-            except MemoryError:
-                raise CheckpointError(f"{file}: no memory for its {nbytes} bytes") from None
+            if into is not None and len(into) == padded + _PAGE and into.ctypes.data % _PAGE == 0:
+                buf = into
+            else:
+                try:
+                    buf = aligned_empty(padded + _PAGE, _PAGE)  # one page more, to see a file that grew
+                except MemoryError:
+                    raise CheckpointError(f"{file}: no memory for its {nbytes} bytes") from None
             filled = 0
             while filled < len(buf):
                 n = os.readv(fd, [memoryview(buf)[filled:]])

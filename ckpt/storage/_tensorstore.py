@@ -214,7 +214,7 @@ class TensorStoreStorage(Storage):
             raise size_mismatch(self.where(key), len(data), max_bytes)
         return data
 
-    def read_exact(self, key: str, nbytes: int) -> np.ndarray:
+    def read_exact(self, key: str, nbytes: int, into: np.ndarray | None = None) -> np.ndarray:
         # Only the recorded size is read: an object shorter than that is damage, and so is one
         # longer, which a one-byte probe past the end (sent with the first part) tells, except
         # on S3 and GCS, where that would be a second request per chunk: there the tail of a
@@ -247,7 +247,8 @@ class TensorStoreStorage(Storage):
         _refuse_longer(probe, self.where(key), nbytes)
         return out
 
-    def read_chunk_async(self, path: str, index: tuple[int, ...], nbytes: int, executor: Any = None) -> Any:
+    def read_chunk_async(self, path: str, index: tuple[int, ...], nbytes: int, executor: Any = None,
+                         into: np.ndarray | None = None) -> Any:
         """One chunk file's bytes as a future, the read issued now from this thread (no pool:
         the restore reader issues a batch's reads at once and checks each as it arrives). One
         GET of the recorded size per chunk, as a raw object GET; the result is a read-only
@@ -257,7 +258,7 @@ class TensorStoreStorage(Storage):
         if type(self).read_exact is not TensorStoreStorage.read_exact:
             # A subclass that reads files its own way (local disk: direct I/O into an aligned
             # buffer, sized by fstat first) keeps it, on the reader's pool.
-            return Storage.read_chunk_async(self, path, index, nbytes, executor)
+            return Storage.read_chunk_async(self, path, index, nbytes, executor, into)
         key = f"{path}/{chunk_key(index)}"
         check_key(key)
         if self._spec.get("driver") == "file":

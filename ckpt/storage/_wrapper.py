@@ -73,8 +73,12 @@ class WrapperStorage(Storage):
     def get(self, key: str, *, max_bytes: int) -> bytes:
         return self.inner.get(key, max_bytes=max_bytes)
 
-    def read_exact(self, key: str, nbytes: int) -> np.ndarray:
-        return self.inner.read_exact(key, nbytes)
+    @property
+    def reads_into_buffers(self) -> bool:
+        return self.inner.reads_into_buffers
+
+    def read_exact(self, key: str, nbytes: int, into: np.ndarray | None = None) -> np.ndarray:
+        return self.inner.read_exact(key, nbytes, into)
 
     def put(self, key: str, data: bytes) -> Any:
         return self.inner.put(key, data)
