@@ -64,9 +64,9 @@ class StagingPool:
 
     # Every method below runs with _COND held.
 
-    def _pop(self, nbytes: int) -> np.ndarray | None:
-        """The smallest free buffer of at least `nbytes` (and at most twice that), or None."""
-        fits = [n for n, bufs in self._free.items() if bufs and nbytes <= n <= 2 * nbytes]
+    def _pop(self, nbytes: int, most: float = 2) -> np.ndarray | None:
+        """The smallest free buffer of at least `nbytes` (and at most `most` times that), or None."""
+        fits = [n for n, bufs in self._free.items() if bufs and nbytes <= n <= most * nbytes]
         if not fits:
             return None
         n = min(fits)
@@ -172,6 +172,14 @@ class SaveBudget:
                             self._note()
                             return Lease(pooled.nbytes, pooled)
                     free = self.pool.free_bytes
+                    if self.used + free + need > self.limit and buffer and self.keep:
+                        # No room for a new buffer: a larger free one serves (its pages are
+                        # already the process's; trading it for a new one would fault new pages).
+                        pooled = self.pool._pop(need, most=float("inf"))
+                        if pooled is not None:
+                            self.used += pooled.nbytes
+                            self._note()
+                            return Lease(pooled.nbytes, pooled)
                     if self.used + free + need > self.limit and free:
                         # Free buffers of other sizes make room for this one.
                         dropped += self.pool._shrink(max(0, self.limit - self.used - need))

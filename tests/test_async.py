@@ -129,14 +129,18 @@ def test_bytes_in_flight_are_bounded(location, limit_chunks):
 
     lock = threading.Lock()
     in_flight = {"bytes": 0, "peak": 0}
+    copied = threading.Event()  # save_async returned: every host copy exists
 
     class CountedFuture:
-        """In flight from write_chunk() until the save asks for its result."""
+        """In flight from write_chunk() until the save asks for its result. No write completes
+        before the caller's copies are done (as on a disk slower than the copies; memory://
+        would otherwise finish a write before the next copy, depending on the machine's load)."""
 
         def __init__(self, future, nbytes):
             self.future, self.nbytes, self.counted = future, nbytes, True
 
         def result(self, timeout=None):
+            assert copied.wait(60), "the caller's copies never finished"
             out = self.future.result()
             with lock:
                 if self.counted:
@@ -153,7 +157,10 @@ def test_bytes_in_flight_are_bounded(location, limit_chunks):
     faults.before("write_chunk", count)
     faults.after("write_chunk", lambda future, handle, box, data: CountedFuture(future, data.nbytes))
     # (shard by shard: 8 chunk files, not one packed chunk)
-    ckpt.save(location("ck"), {"a": array}, options=faults.options(max_inflight_bytes=limit, pack_limit_bytes=0))
+    handle = ckpt.save_async(location("ck"), {"a": array},
+                             options=faults.options(max_inflight_bytes=limit, pack_limit_bytes=0))
+    copied.set()
+    handle.wait()
     assert faults.calls["write_chunk"] == 8
     assert in_flight["bytes"] == 0
     if limit_chunks:
@@ -161,7 +168,6 @@ def test_bytes_in_flight_are_bounded(location, limit_chunks):
         assert in_flight["peak"] <= limit + chunk_bytes
     else:
         # Unbounded: once the host copies exist, every remaining chunk goes out at once (while
-        # the caller is still copying, the writer sends one chunk at a time; copies of these
-        # small shards finish long before the first write does).
+        # the caller is still copying, the writer sends few at a time).
         assert in_flight["peak"] > 3 * chunk_bytes
     assert np.array_equal(ckpt.restore(location("ck"))["a"], host)

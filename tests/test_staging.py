@@ -98,3 +98,23 @@ def test_a_buffer_still_referenced_after_its_write_stays_counted_until_let_go():
     assert budget.used == 4096 and again.buffer is not None and budget.written_off == 0
     budget.release(again)
     assert budget.used == 0 and pool.free_bytes == 4096
+
+
+def test_with_no_room_for_a_new_buffer_a_larger_free_one_serves():
+    # A save whose chunk sizes alternate (small chunks of one leaf, large of the next) keeps its
+    # large buffers for the small chunks instead of trading them for new memory.
+    pool = StagingPool()
+    budget = SaveBudget(8 * 4096, pool=pool)
+    large = [budget.acquire(4 * 4096, buffer=True) for _ in range(2)]
+    addresses = {lease.buffer.ctypes.data for lease in large}
+    for lease in large:
+        budget.release(lease)
+    assert pool.free_bytes == 8 * 4096
+    small = budget.acquire(4096, buffer=True)
+    assert small.buffer.ctypes.data in addresses and small.nbytes == 4 * 4096  # counted whole
+    assert budget.high_water == 8 * 4096
+    other = budget.acquire(4096, buffer=True)
+    assert other.buffer.ctypes.data in addresses and other.buffer.ctypes.data != small.buffer.ctypes.data
+    assert budget.acquire(4096, buffer=True, block=False) is None  # the budget is spent
+    budget.release(small)
+    budget.release(other)
