@@ -28,7 +28,7 @@ import numpy as np
 from ckpt import _dtypes
 from ckpt._checksum import chunk_checksum
 from ckpt._errors import CheckpointError, ChecksumError
-from ckpt._host_memory import PAGE, ReadBuffers, return_to_os
+from ckpt._host_memory import PAGE, ReadBuffers
 from ckpt._layout import (
     Box, box_shape, box_size, chunk_box, chunk_grid, chunk_key, chunks_overlapping, flat_chunk_index, full_box,
     index_to_box, intersect, relative,
@@ -206,7 +206,6 @@ class _Reader:
                     # freed only by the cyclic collector (one piece lingered per device; restore
                     # pauses the collector): a young-generation pass frees it before the next batch.
                     gc.collect(0)
-                return_to_os()  # what the batch freed (read buffers a device adopted stay in use)
         finally:
             if ahead is not None:
                 ahead.__exit__(None, None, None)
