@@ -176,8 +176,10 @@ def test_preemption_sync_point_saves_off_interval(location, monkeypatch):
     _check(ckpt.restore(manager.step_path(13)), 13)
 
 
-def test_sigterm_saves_the_next_step_then_reaches_the_previous_handler(tmp_path):
-    """This process only: SIGTERM to itself, with a Python handler standing in for the default."""
+@pytest.fixture
+def sigterm_recorder():
+    """(received, recorder): a Python SIGTERM handler standing in for the default, recording
+    the signals it gets; the handler before it is put back afterwards."""
     received = []
 
     def recorder(signum, frame):
@@ -185,53 +187,51 @@ def test_sigterm_saves_the_next_step_then_reaches_the_previous_handler(tmp_path)
 
     previous = signal.signal(signal.SIGTERM, recorder)
     try:
-        manager = ckpt.CheckpointManager(tmp_path / "run", save_interval_steps=100)
-        assert signal.getsignal(signal.SIGTERM) is recorder  # not watched before the first save
-        assert manager.save(0, _tree(0))
-        assert signal.getsignal(signal.SIGTERM) is not recorder
-        assert not manager.save(5, _tree(5))
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert received == []  # held for the manager
-        assert manager.should_save(6)
-        assert manager.save(6, _tree(6))  # off-interval, committed on return
-        assert received == [signal.SIGTERM]  # then handed on
-        assert manager.all_steps() == [0, 6]
-        assert not manager.should_save(7)
-        assert signal.getsignal(signal.SIGTERM) is recorder  # put back when the notice was handed on
-        manager.close()
-        assert received == [signal.SIGTERM]
-        os.kill(os.getpid(), signal.SIGTERM)  # our handler is gone: the previous one gets it
-        assert received == [signal.SIGTERM] * 2
-        _check(ckpt.restore(manager.step_path(6)), 6)
+        yield received, recorder
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_sigterm_no_save_consumed_is_handed_on_at_close(tmp_path):
-    received = []
+def test_sigterm_saves_the_next_step_then_reaches_the_previous_handler(tmp_path, sigterm_recorder):
+    """This process only: SIGTERM to itself, with a Python handler standing in for the default."""
+    received, recorder = sigterm_recorder
+    manager = ckpt.CheckpointManager(tmp_path / "run", save_interval_steps=100)
+    assert signal.getsignal(signal.SIGTERM) is recorder  # not watched before the first save
+    assert manager.save(0, _tree(0))
+    assert signal.getsignal(signal.SIGTERM) is not recorder
+    assert not manager.save(5, _tree(5))
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert received == []  # held for the manager
+    assert manager.should_save(6)
+    assert manager.save(6, _tree(6))  # off-interval, committed on return
+    assert received == [signal.SIGTERM]  # then handed on
+    assert manager.all_steps() == [0, 6]
+    assert not manager.should_save(7)
+    assert signal.getsignal(signal.SIGTERM) is recorder  # put back when the notice was handed on
+    manager.close()
+    assert received == [signal.SIGTERM]
+    os.kill(os.getpid(), signal.SIGTERM)  # our handler is gone: the previous one gets it
+    assert received == [signal.SIGTERM] * 2
+    _check(ckpt.restore(manager.step_path(6)), 6)
 
-    def recorder(signum, frame):
-        received.append(signum)
 
-    previous = signal.signal(signal.SIGTERM, recorder)
-    try:
-        manager = ckpt.CheckpointManager(tmp_path / "run", save_interval_steps=100)
+def test_sigterm_no_save_consumed_is_handed_on_at_close(tmp_path, sigterm_recorder):
+    received, recorder = sigterm_recorder
+    manager = ckpt.CheckpointManager(tmp_path / "run", save_interval_steps=100)
+    manager.save(0, _tree(0))
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert manager.reached_preemption(1) and received == []
+    manager.close()
+    assert received == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is recorder
+    assert manager.all_steps() == [0]
+    # A second SIGTERM while one is held goes on at once.
+    with ckpt.CheckpointManager(tmp_path / "run2", save_interval_steps=100) as manager:
         manager.save(0, _tree(0))
         os.kill(os.getpid(), signal.SIGTERM)
-        assert manager.reached_preemption(1) and received == []
-        manager.close()
-        assert received == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is recorder
-        assert manager.all_steps() == [0]
-        # A second SIGTERM while one is held goes on at once.
-        with ckpt.CheckpointManager(tmp_path / "run2", save_interval_steps=100) as manager:
-            manager.save(0, _tree(0))
-            os.kill(os.getpid(), signal.SIGTERM)
-            assert received == [signal.SIGTERM]
-            os.kill(os.getpid(), signal.SIGTERM)
-            assert received == [signal.SIGTERM] * 2 and signal.getsignal(signal.SIGTERM) is recorder
-        assert received == [signal.SIGTERM] * 2  # nothing left to hand on at close
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+        assert received == [signal.SIGTERM]
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert received == [signal.SIGTERM] * 2 and signal.getsignal(signal.SIGTERM) is recorder
+    assert received == [signal.SIGTERM] * 2  # nothing left to hand on at close
 
 
 # ---- delete, read_only, reload, wait, restore options ----------------------------------------------

@@ -37,8 +37,10 @@ import contextlib
 import errno
 import json
 import secrets
+import threading
 import warnings
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, NamedTuple
 
@@ -112,6 +114,19 @@ def array_metadata_bytes(spec: ArraySpec) -> bytes:
     """The bytes of the array's zarr.json, as ``Storage.create_array`` writes them (the manifest
     records their CRC-32C)."""
     return json.dumps(zarr_metadata(spec)).encode()
+
+
+_pools: dict[tuple[str, int], ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def shared_pool(name: str, concurrency: int) -> ThreadPoolExecutor:
+    """The process's thread pool `name` of `concurrency` threads (engines doing blocking I/O
+    share one per name and width rather than starting threads per storage or per save)."""
+    with _pools_lock:
+        if (name, concurrency) not in _pools:
+            _pools[name, concurrency] = ThreadPoolExecutor(concurrency, thread_name_prefix=name)
+        return _pools[name, concurrency]
 
 
 def aligned_empty(nbytes: int, alignment: int = 64) -> np.ndarray:

@@ -17,27 +17,19 @@ import errno
 import fcntl
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
+
+from ckpt.storage._base import shared_pool
 
 _PAGE = 4096  # O_DIRECT wants the buffer, the length and the file offset aligned (to 512 or 4096)
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
 _direct_writes: bool | None = None  # unknown until the first open (tmpfs, for one, refuses it)
 
-_pools: dict[int, ThreadPoolExecutor] = {}
-_pools_lock = threading.Lock()
-
-
-def _pool(concurrency: int) -> ThreadPoolExecutor:
-    with _pools_lock:
-        if concurrency not in _pools:
-            _pools[concurrency] = ThreadPoolExecutor(concurrency, thread_name_prefix="ckpt-write")
-        return _pools[concurrency]
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def fsync_path(path: str) -> None:
+    """fsync a file or directory by path."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
@@ -63,9 +55,10 @@ def write_file(path: str, data: np.ndarray, size: int | None = None) -> None:
     """Write `data`'s bytes (C-contiguous) as the file `path`, then zeros up to `size` bytes
     when given, fsynced. The page-aligned part goes out with O_DIRECT when the buffer is page
     aligned; a tail, or any buffer that is not, through the page cache."""
-    mv = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    mv = memoryview(flat)
     n = len(mv)
-    direct = n >= _PAGE and data.ctypes.data % _PAGE == 0
+    direct = n >= _PAGE and flat.ctypes.data % _PAGE == 0
     fd, direct = _open_for_write(path, direct)
     try:
         done = 0
@@ -95,7 +88,7 @@ class ChunkFileWriter:
 
     def __init__(self, root: str, concurrency: int):
         self.root = root
-        self._pool = _pool(concurrency)
+        self._pool = shared_pool("ckpt-write", concurrency)
         self._dirs: set[str] = set()  # directories known to exist durably
         self._dirs_lock = threading.Lock()
 
@@ -112,7 +105,7 @@ class ChunkFileWriter:
                     os.mkdir(d)
                 except FileExistsError:
                     pass
-                _fsync_dir(os.path.dirname(d))
+                fsync_path(os.path.dirname(d))
             self._dirs.add(path)
 
     def _write(self, key: str, data: np.ndarray, size: int | None) -> None:
@@ -120,7 +113,7 @@ class ChunkFileWriter:
         parent = os.path.dirname(path)
         self._ensure_dir(parent)
         write_file(path, data, size)
-        _fsync_dir(parent)
+        fsync_path(parent)
 
     def write(self, key: str, data: np.ndarray, size: int | None = None) -> Future:
         """Start writing the file `key` (relative to root): `data`'s bytes, then zeros up to

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -22,20 +20,9 @@ import numpy as np
 from ckpt._errors import CheckpointError
 from ckpt._layout import Box, chunk_index_of, chunk_key
 from ckpt.storage._base import (
-    READ_PIECE, ArraySpec, Storage, check_key, check_local_key, chunk_bytes, read_buffer, size_mismatch,
-    too_large,
+    READ_PIECE, ArraySpec, Storage, check_key, check_local_key, chunk_bytes, read_buffer, shared_pool,
+    size_mismatch, too_large,
 )
-
-_pools: dict[int, ThreadPoolExecutor] = {}
-_pools_lock = threading.Lock()
-
-
-def _pool(concurrency: int) -> ThreadPoolExecutor:
-    with _pools_lock:
-        if concurrency not in _pools:
-            _pools[concurrency] = ThreadPoolExecutor(concurrency, thread_name_prefix="ckpt-fsspec")
-        return _pools[concurrency]
-
 
 # s3fs and gcsfs raise OSError subclasses without an errno (PermissionError("Forbidden")): the
 # subclass says which, and OSError(code, ...) turns the code back into that subclass.
@@ -185,7 +172,7 @@ class FsspecStorage(Storage):
         self._sync(self.store.set(key, cpu.Buffer.from_bytes(data)), self.where(key))
 
     def put(self, key: str, data: bytes) -> Any:
-        return _Future(_pool(self._concurrency).submit(self._set, key, bytes(data)), self.where(key))
+        return _Future(shared_pool("ckpt-fsspec", self._concurrency).submit(self._set, key, bytes(data)), self.where(key))
 
     def put_if_absent(self, key: str, data: bytes) -> None:
         path = self._full(key)

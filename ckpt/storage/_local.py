@@ -39,7 +39,7 @@ from ckpt._layout import Box, chunk_index_of, chunk_key
 from ckpt.storage._base import (
     TEMP_MARK, ArraySpec, Staged, Usage, aligned_empty, check_key, file_kind, size_mismatch,
 )
-from ckpt.storage._chunk_files import ChunkFileWriter
+from ckpt.storage._chunk_files import ChunkFileWriter, fsync_path
 from ckpt.storage._owners import (
     _OWN_TEMP, OWNER_LIMIT_BYTES, OWNER_NAME, UNOWNED_GRACE_S, DirLock, Leftover, SaveLock, _boot_id, _lock_holder,
     owner_bytes, owner_gone, owner_text, parse_owner,
@@ -50,14 +50,6 @@ _PAGE = 4096
 _direct_reads: bool | None = None  # unknown until the first open
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_file_synced(path: str, data: bytes, *, exclusive: bool = False) -> None:
