@@ -223,10 +223,10 @@ class _Build:
 
 
 # XLA's CPU client adopts a host buffer as a device buffer when it is aligned to this (and
-# writable); anything else it copies. Large unaligned data (chunks as TensorStore returns them,
-# views into chunks) is copied into an aligned buffer here instead: the same one copy, made
-# on the reading thread while other reads arrive (measured: docs/benchmarks.md, "Object
-# stores"), and the buffer becomes the device's.
+# writable); anything else it copies. Large unaligned data (views into chunks, an engine's own
+# buffers) is copied into an aligned buffer here instead: the same one copy, made on the
+# reading thread while other reads arrive (measured: docs/benchmarks.md, "Object stores"), and
+# the buffer becomes the device's. Every built-in engine already reads chunks into aligned buffers.
 _CPU_ALIGNMENT = 64
 _ADOPT_MIN_BYTES = 1 << 20
 

@@ -1,5 +1,5 @@
 """Restore's read buffers (ckpt/_host_memory.ReadBuffers): on an engine that reads into given
-buffers (local disk), a restore larger than its budget reads batch after batch into the same
+buffers (local disk, and TensorStore's kvstores: memory:// here, S3 and GCS alike), a restore larger than its budget reads batch after batch into the same
 buffers, never keeps more than the budget, and never reuses a buffer a device adopted or a
 result kept; the next batch's reads are in flight while one is placed. Observed through a
 wrapping engine (tests/support.Faults), values checked shard by shard."""
@@ -22,12 +22,27 @@ CHUNK = 1 << 20  # the smallest pooled buffer: chunks of exactly that
 BUDGET = 6 * CHUNK
 
 
+@pytest.fixture(params=["disk", "memory"])
+def base(request, tmp_path):
+    """Where a test's checkpoints go: local disk (direct reads) or memory:// (TensorStore)."""
+    if request.param == "disk":
+        return tmp_path
+    import uuid
+
+    return _Memory(f"memory://read-buffers-{uuid.uuid4().hex[:8]}")
+
+
+class _Memory(str):
+    def __truediv__(self, name: str) -> str:
+        return f"{self}/{name}"
+
+
 def _value():
     return np.arange(2048 * 1024, dtype=np.float32).reshape(2048, 1024)  # 8 MiB: 8 chunks of 1 MiB
 
 
-def _saved(tmp_path, sharding):
-    path = str(tmp_path / "c")
+def _saved(base, sharding):
+    path = str(base / "c")
     ckpt.save(path, {"w": jax.device_put(_value(), sharding)}, options=ckpt.Options(max_chunk_bytes=CHUNK))
     return path
 
@@ -49,38 +64,38 @@ def _check(arr, value):
         assert np.array_equal(np.asarray(s.data), value[s.index]), s.device
 
 
-def test_a_reshard_reads_every_batch_into_the_same_buffers(tmp_path):
+def test_a_reshard_reads_every_batch_into_the_same_buffers(base):
     mesh = jax.make_mesh((4, 2), ("x", "y"))
-    path = _saved(tmp_path, NamedSharding(mesh, P("x", None)))
+    path = _saved(base, NamedSharding(mesh, P("x", None)))
     # Rows split 8 ways onto (2,4)'s 'y': every device shard is a part of a chunk, copied out of it,
     # so no read buffer is adopted and every one can be read into again.
     target = {"w": NamedSharding(jax.make_mesh((2, 4), ("x", "y")), P("y", "x"))}
     out, stats, given = _watched_restore(path, target)
     _check(out["w"], _value())
     assert stats.bytes_read == _value().nbytes and len(given) == 8
-    assert all(given), "the local engine was given a buffer for every chunk"
+    assert all(given), "the engine was given a buffer for every chunk"
     assert len(set(given)) < len(given), "buffers were reused across batches"
     assert 0 < stats.host_high_water <= BUDGET, stats.host_high_water
 
 
-def test_a_buffer_a_device_adopted_is_never_read_into_again(tmp_path):
+def test_a_buffer_a_device_adopted_is_never_read_into_again(base):
     # Restored onto the saved sharding, each chunk is a device's whole shard: on CPU the device
     # adopts the read buffer itself, so reusing one would overwrite a restored shard.
     mesh = jax.make_mesh((4, 2), ("x", "y"))
     sharding = NamedSharding(mesh, P("x", None))
-    path = _saved(tmp_path, sharding)
+    path = _saved(base, sharding)
     out, stats, given = _watched_restore(path, {"w": sharding})
     _check(out["w"], _value())  # (a reused buffer would have overwritten an earlier shard)
     assert 0 < stats.host_high_water <= BUDGET
 
 
 @pytest.mark.parametrize("target", ["one device", "numpy"])
-def test_results_kept_on_the_host_are_never_overwritten(tmp_path, target):
+def test_results_kept_on_the_host_are_never_overwritten(base, target):
     # Leaves of one chunk each (just over the packing limit, so not stacked), one leaf per
     # batch: a numpy result is the read buffer itself, and a CPU device adopts it; the next
     # batch must read into another buffer.
     values = {f"l{i}": np.full((257, 1024), i, np.float32) + np.arange(1024, dtype=np.float32) for i in range(6)}
-    path = str(tmp_path / "c")
+    path = str(base / "c")
     ckpt.save(path, values)
     one = SingleDeviceSharding(jax.devices()[3])
     t = {k: one for k in values} if target == "one device" else None  # None: numpy arrays
