@@ -25,7 +25,8 @@ restored by ckpt and by Orbax's StandardCheckpointer (defaults) when installed, 
 
 Object stores instead (docs/benchmarks.md, "Object stores"): save and restore at the URL against
 raw PUTs and GETs of the same unique bytes through TensorStore's kvstore with the same request
-concurrency; --seaweedfs starts a local SeaweedFS for it (tests/servers.py).
+concurrency (and, beside them, the GETs with each object's bytes taken out of TensorStore);
+--seaweedfs starts a local SeaweedFS for it (tests/servers.py).
 
     python -m ckpt.bench --memory [--gib 2] [--runs 3] [--only save,restore,first,big]
 
@@ -386,6 +387,19 @@ def _raw_get(kv, n: int) -> float:
     return time.perf_counter() - t
 
 
+def _raw_get_bytes(kv, n: int) -> float:
+    """The raw GETs, each object's bytes taken out of TensorStore (``ReadResult.value``), as any
+    client that uses them must: shown beside the baseline, not instead of it."""
+    t = time.perf_counter()
+    data = None
+    for f in [kv.read(str(i)) for i in range(n)]:
+        r = f.result()
+        assert r.state == "value"
+        data = r.value
+    del data
+    return time.perf_counter() - t
+
+
 def run_objectstore(url: str, gib: float, runs: int, concurrency: int | None, requests=None) -> dict:
     """Save and restore of the benchmark tree at `url` against raw object PUTs and GETs of the
     same unique bytes through TensorStore's kvstore, with the same request concurrency; runs
@@ -447,6 +461,7 @@ def run_objectstore(url: str, gib: float, runs: int, concurrency: int | None, re
         pair = [("raw_get", lambda: _raw_get(raw, len(blobs))), ("restore_same", restore(path, same))]
         for name, fn in pair if r % 2 == 0 else pair[::-1]:
             timed(name, fn, count=r == runs - 1)
+        timed("raw_get_bytes", lambda: _raw_get_bytes(raw, len(blobs)))
         timed("restore_mesh24", restore(path, swapped))
         print(f"run {r + 1}/{runs}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in t.items()), file=sys.stderr)
         open_storage(path, options).delete_tree("")  # untimed
@@ -463,6 +478,14 @@ def run_objectstore(url: str, gib: float, runs: int, concurrency: int | None, re
             "save / raw_put": med["raw_put"] / med["save"],
             "restore_same / raw_get": med["raw_get"] / med["restore_same"],
             "restore_mesh24 / raw_get": med["raw_get"] / med["restore_mesh24"],
+            "restore_same / raw_get_bytes": med["raw_get_bytes"] / med["restore_same"],
+        },
+        # The same ratios run by run (each against the baseline measured beside it), median:
+        # less sensitive to the machine drifting between runs than the ratio of medians.
+        "paired_ratios": {
+            "save / raw_put": statistics.median(a / b for a, b in zip(t["raw_put"], t["save"])),
+            "restore_same / raw_get": statistics.median(a / b for a, b in zip(t["raw_get"], t["restore_same"])),
+            "restore_mesh24 / raw_get": statistics.median(a / b for a, b in zip(t["raw_get"], t["restore_mesh24"])),
         },
         "requests_last_run": counts,
     }
@@ -476,6 +499,9 @@ def _print_objectstore_table(res: dict) -> None:
         print(f"{k:<20}{v:>10.3f}{res['mib_per_s'][k]:>10.1f}{res['first_run_seconds'][k]:>13.3f}")
     print("\nratios (throughput vs the raw object baseline of the same run; higher is better)")
     for k, v in res["ratios"].items():
+        print(f"  {k:<32}{v:>8.2f}")
+    print("median of the per-run ratios (each run against its own baseline)")
+    for k, v in res["paired_ratios"].items():
         print(f"  {k:<32}{v:>8.2f}")
     if res["requests_last_run"]:
         print("\nrequests to the server in the last run (SeaweedFS counts HEAD as GET)")

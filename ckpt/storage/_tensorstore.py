@@ -127,25 +127,26 @@ class _ChunkFuture:
 
     def result(self, timeout: float | None = None) -> np.ndarray:
         s, key, nbytes = self._storage, self._key, self._nbytes
-        out = _output(self._into, nbytes, s.where(key))
         # Each part is copied into the aligned buffer (the one a CPU device adopts, or a
-        # writable numpy result) as it arrives, and the bytes TensorStore handed over are
-        # dropped at once: the next part's bytes then reuse the same warm heap memory (parts
-        # stay under glibc's 32 MiB mmap threshold). Holding whole chunks' bytes until
-        # placement faulted in fresh pages twice per chunk (docs/benchmarks.md, "Object stores").
-        parts, self._parts = self._parts, []
-        for start, stop, future in parts:
-            data = s._part(key, future, nbytes)
-            if len(data) != stop - start:
-                raise CheckpointError(f"{s.where(key)} is truncated: it holds fewer than the {nbytes} bytes expected")
-            out[start:stop] = np.frombuffer(data, np.uint8)
-            # Kept until the next part's bytes exist: freeing the newest block at the top of
-            # glibc's heap returns it to the kernel, and every part then faulted in fresh pages
-            # (4x slower: 1 GB/s against 4 GB/s for 8 MiB parts, measured).
-            s._last_part = data
-            del data
-        _refuse_longer(self._probe, s.where(key), nbytes)
-        return out
+        # writable numpy result) as it is taken, and TensorStore's bytes of it are dropped once
+        # the next part's exist. Holding every chunk's bytes until placement faulted the tree in
+        # fresh pages twice, and so did dropping each part at once (glibc hands the block back
+        # to the kernel): ReadResult.value ran at 1 GB/s, against 4 GB/s this way (measured:
+        # docs/benchmarks.md, "Chunk parts copied as they arrive").
+        try:
+            out = _output(self._into, nbytes, s.where(key))
+            parts, self._parts = self._parts, []
+            for start, stop, future in parts:
+                data = s._part(key, future, nbytes)
+                if len(data) != stop - start:
+                    raise CheckpointError(f"{s.where(key)} is truncated: it holds fewer than the {nbytes} bytes expected")
+                out[start:stop] = np.frombuffer(data, np.uint8)
+                s._last_part = data
+                del data
+            _refuse_longer(self._probe, s.where(key), nbytes)
+            return out
+        finally:
+            s._chunk_read_done()
 
 
 def _output(into: np.ndarray | None, nbytes: int, where: str) -> np.ndarray:
@@ -182,7 +183,9 @@ class TensorStoreStorage(Storage):
         self.conditional_writes = conditional_writes
         self._kv: ts.KvStore | None = None
         self._lock = threading.Lock()
-        self._last_part: bytes | None = None  # the latest chunk part's bytes (see _ChunkFuture)
+        # The latest chunk part's bytes, kept while chunk reads are in flight (see _ChunkFuture).
+        self._last_part: bytes | None = None
+        self._chunk_reads = 0
 
     # ---- location ----------------------------------------------------------------------
 
@@ -299,7 +302,15 @@ class TensorStoreStorage(Storage):
             parts = [(a, b, self.kv.read(key, byte_range=slice(a, b))) for a, b in parts]
         except Exception as e:
             raise storage_error(e, self.where(key)) from None
+        with self._lock:
+            self._chunk_reads += 1
         return _ChunkFuture(self, key, nbytes, parts, probe, into)
+
+    def _chunk_read_done(self) -> None:
+        with self._lock:
+            self._chunk_reads -= 1
+            if self._chunk_reads <= 0:
+                self._chunk_reads, self._last_part = 0, None  # nothing outlives the restore
 
     def _part(self, key: str, future: Any, nbytes: int) -> bytes:
         try:
