@@ -62,6 +62,7 @@ class _Reader:
         self.storage, self.leaves, self.verify, self.stats = storage, leaves, verify, stats
         self.options = options
         self.budget = HostBudget(options.host_budget_bytes)
+        self._limit = self.budget.limit  # what tiles and batches are cut to fit (run())
         stats.host_budget = options.host_budget_bytes
         # Read buffers reused batch after batch, where the engine reads into given buffers.
         self.buffers = ReadBuffers(self.budget) if getattr(storage, "reads_into_buffers", False) else None
@@ -165,7 +166,7 @@ class _Reader:
             units = units_of(tile)
             sources = sum(self._source_bytes(("z", rec.zarr.path, c))
                           for c in chunks_overlapping(tile, rec.zarr.chunk_shape) if c in needed)
-            return sources + max((u.cost for u in units), default=0) <= self.budget.limit
+            return sources + max((u.cost for u in units), default=0) <= self._limit
 
         bound = tuple((min(r[d][0] for r in regions), max(r[d][1] for r in regions)) for d in range(len(rec.shape)))
         return [g for g in (units_of(t) for t in _split(bound, rec.zarr.chunk_shape, fits)) if g]
@@ -175,6 +176,11 @@ class _Reader:
     def run(self, wants: list[_Want]) -> dict[int, Any]:
         """The value of every wanted leaf (by leaf index), host memory within the budget."""
         self.wants, self._sources = wants, {}
+        # What tiles and batches are cut to fit: the budget, or twice the engine's read window
+        # where that is less (Storage.read_window_bytes: batches of one window each).
+        window_of = getattr(self.storage, "read_window_bytes", None)
+        window = window_of(self.options.io_concurrency) if window_of is not None else None
+        self._limit = self.budget.limit if window is None else min(self.budget.limit, 2 * window)
         groups: list[list[_Unit]] = []
         builds = []
         for k, w in enumerate(wants):
@@ -189,13 +195,13 @@ class _Reader:
                 out[wants[k].index] = b.value()
         # Batches of at most half the budget, so that the next batch's reads are in flight
         # while this one is assembled and placed (two batches held at once: the budget).
-        batches = self._batches(groups, self.budget.limit // 2)
+        batches = self._batches(groups, self._limit // 2)
         ahead = None  # the next batch's sources, its reads issued
         try:
             for i, (batch, cost) in enumerate(batches):
                 get, ahead = ahead or self._batch_sources(batch).__enter__(), None
                 try:
-                    if i + 1 < len(batches) and cost + batches[i + 1][1] <= self.budget.limit:
+                    if i + 1 < len(batches) and cost + batches[i + 1][1] <= self._limit:
                         ahead = self._batch_sources(batches[i + 1][0]).__enter__()
                     self._place_batch(batch, get, builds, out)
                 finally:

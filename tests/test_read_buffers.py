@@ -6,6 +6,8 @@ wrapping engine (tests/support.Faults), values checked shard by shard."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import ckpt
+from ckpt.storage import WrapperStorage, open_storage
 from ckpt._host_memory import POOLED_MIN_BYTES, ReadBuffers
 from ckpt._place import HostBudget
 from ckpt._restore import restore_with_stats
@@ -137,3 +140,35 @@ def test_the_pool_keeps_no_more_than_the_budget_and_drops_what_the_next_batch_do
     pool.prepare([2 * POOLED_MIN_BYTES])  # the next batch reads other sizes: free ones dropped
     assert budget.held == 0
     assert pool.get(POOLED_MIN_BYTES // 2) is None
+
+
+class _Windowed(WrapperStorage):
+    """An engine whose restores read at most two chunks per batch (Storage.read_window_bytes)."""
+
+    def read_window_bytes(self, io_concurrency: int) -> int | None:
+        return 2 * CHUNK
+
+
+def test_a_storage_read_window_bounds_each_batch_whatever_the_budget(base):
+    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    sharding = NamedSharding(mesh, P("x", None))
+    path = _saved(base, sharding)
+    unbounded = ckpt.Options(host_budget_bytes=1 << 40)
+    out, whole = restore_with_stats(path, {"w": sharding}, options=unbounded)
+    _check(out["w"], _value())
+    windowed = replace(unbounded, engine=lambda where, o: _Windowed(open_storage(where, replace(o, engine=None))))
+    out, stats = restore_with_stats(path, {"w": sharding}, options=windowed)
+    _check(out["w"], _value())
+    assert whole.host_high_water >= _value().nbytes  # one batch: every chunk at once
+    # Batches of two chunks (a device's shard: 512 rows, two chunks, assembled in a copy of
+    # 2 MiB), the next batch's reads issued while one is placed.
+    assert 0 < stats.host_high_water <= 4 * CHUNK + 2 * CHUNK < whole.host_high_water, stats.host_high_water
+
+
+def test_object_stores_bound_their_read_window_and_local_disk_does_not(tmp_path):
+    from ckpt.storage._tensorstore import CHUNK_PART_BYTES
+
+    assert open_storage(str(tmp_path / "c"), ckpt.Options().resolved()).read_window_bytes(8) is None
+    memory = open_storage("memory://window/c", ckpt.Options().resolved())
+    assert memory.read_window_bytes(8) == 128 << 20
+    assert memory.read_window_bytes(64) == 2 * 64 * CHUNK_PART_BYTES

@@ -277,6 +277,13 @@ class Storage(ABC):
         plus one page, which engines with ``reads_into_buffers`` read into (the result is then
         a view of it); others ignore it."""
 
+    def read_window_bytes(self, io_concurrency: int) -> int | None:
+        """The most chunk bytes a restore reads in one batch here, with `io_concurrency`
+        requests in flight (None: as many as the host budget allows). An engine whose reads
+        land in memory of its own before they reach the caller's buffers bounds it, so that
+        this memory is reused batch after batch instead of faulted in fresh for every byte."""
+        return None
+
     def pin(self) -> contextlib.AbstractContextManager["Storage"]:
         """A context whose storage keeps reading what is at this location now, even if the
         location is replaced meanwhile (an overwrite): a reader never mixes two checkpoints.

@@ -77,6 +77,9 @@ class WrapperStorage(Storage):
     def reads_into_buffers(self) -> bool:
         return self.inner.reads_into_buffers
 
+    def read_window_bytes(self, io_concurrency: int) -> int | None:
+        return self.inner.read_window_bytes(io_concurrency)
+
     def read_exact(self, key: str, nbytes: int, into: np.ndarray | None = None) -> np.ndarray:
         return self.inner.read_exact(key, nbytes, into)
 
