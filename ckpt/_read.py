@@ -193,8 +193,8 @@ class _Reader:
         for k, b in enumerate(builds):
             if b.left == 0:
                 out[wants[k].index] = b.value()
-        # Batches of at most half the budget, so that the next batch's reads are in flight
-        # while this one is assembled and placed (two batches held at once: the budget).
+        # Batches of at most half that limit, so that the next batch's reads are in flight
+        # while this one is assembled and placed (two batches held at once: the limit).
         batches = self._batches(groups, self._limit // 2)
         ahead = None  # the next batch's sources, its reads issued
         try:
