@@ -166,9 +166,9 @@ def test_a_storage_read_window_bounds_each_batch_whatever_the_budget(base):
 
 
 def test_object_stores_bound_their_read_window_and_local_disk_does_not(tmp_path):
-    from ckpt.storage._tensorstore import CHUNK_PART_BYTES
+    from ckpt.storage._tensorstore import PART_BYTES
 
     assert open_storage(str(tmp_path / "c"), ckpt.Options().resolved()).read_window_bytes(8) is None
     memory = open_storage("memory://window/c", ckpt.Options().resolved())
     assert memory.read_window_bytes(8) == 128 << 20
-    assert memory.read_window_bytes(64) == 2 * 64 * CHUNK_PART_BYTES
+    assert memory.read_window_bytes(64) == 2 * 64 * PART_BYTES

@@ -235,15 +235,15 @@ def test_requests_per_save_and_restore(s3, root):
 
 
 def test_a_chunk_larger_than_one_part_is_read_in_ranged_parts(s3, root):
-    """A chunk over CHUNK_PART_BYTES is read in ranged GETs of that size (each part's bytes
+    """A chunk over PART_BYTES is read in ranged GETs of that size (each part's bytes
     dropped as it is copied), values intact; a chunk object cut short in its last part is an
     error naming it, never a short or padded array."""
-    from ckpt.storage._tensorstore import CHUNK_PART_BYTES
+    from ckpt.storage._tensorstore import PART_BYTES
 
-    rows = (2 * CHUNK_PART_BYTES + CHUNK_PART_BYTES // 2) // (1024 * 4)  # 2.5 parts per chunk
+    rows = (2 * PART_BYTES + PART_BYTES // 2) // (1024 * 4)  # 2.5 parts per chunk
     value = np.random.default_rng(7).standard_normal((rows, 1024)).astype(np.float32)
     path = f"{root}/big"
-    ckpt.save(path, {"big": value}, options=ckpt.Options(max_chunk_bytes=4 * CHUNK_PART_BYTES))
+    ckpt.save(path, {"big": value}, options=ckpt.Options(max_chunk_bytes=4 * PART_BYTES))
     before = s3.request_counts()
     out = ckpt.restore(path)
     assert out["big"].dtype == value.dtype and np.array_equal(out["big"], value)

@@ -17,7 +17,7 @@ import tensorstore as ts
 from ckpt._errors import CheckpointError
 from ckpt._layout import Box, box_to_index, chunk_index_of, chunk_key
 from ckpt.storage._base import (
-    READ_PIECE, ArraySpec, Storage, check_key, check_local_key, read_buffer, size_mismatch, too_large,
+    ArraySpec, Storage, check_key, check_local_key, read_buffer, size_mismatch, too_large,
     zarr_metadata,
 )
 
@@ -68,14 +68,13 @@ class MappedFuture:
             raise storage_error(e, self._where) from None
 
 
-# Reading one object from S3 or GCS: ranged GETs of this size, this many at once per object
-# (AWS's guidance for throughput is 8-16 MiB parts; on loopback 4 MiB x 4 kept the request
-# queue full: docs/benchmarks.md, "Object stores").
-OBJECT_PART_BYTES = 4 << 20
-OBJECT_PARTS_IN_FLIGHT = 4
-# A restore's chunk reads (read_chunk_async, all of a batch issued at once): GETs of at most
-# this many bytes, so that each part's bytes fit glibc's heap and are recycled (see _ChunkFuture).
-CHUNK_PART_BYTES = 8 << 20
+# Objects are read as ranged GETs of at most this many bytes, each copied into the caller's
+# buffer as it is taken (see _ObjectRead). A threaded reader (read_exact) keeps this many
+# in flight per object, so that it keeps requests queued while it copies what arrived (one
+# request per object left gaps: docs/benchmarks.md, "Object stores"); the restore's reader
+# (read_chunk_async) issues every part of a batch at once.
+PART_BYTES = 8 << 20
+PARTS_IN_FLIGHT = 4
 
 _contexts: dict[tuple, ts.Context] = {}
 _contexts_lock = threading.Lock()
@@ -117,13 +116,38 @@ def _successor(prefix: str) -> str:
     return prefix[:-1] + chr(ord(prefix[-1]) + 1) if prefix else ""
 
 
-class _ChunkFuture:
-    """A chunk read in flight (TensorStoreStorage.read_chunk_async): its parts' GETs."""
+class _ObjectRead:
+    """One object read as ranged GETs of PART_BYTES, `window` of them in flight (all: None), the
+    parts copied into one aligned buffer as they are taken; ``result()`` is that buffer."""
 
-    def __init__(self, storage: "TensorStoreStorage", key: str, nbytes: int, parts: list, probe: Any,
-                 into: np.ndarray | None):
-        self._storage, self._key, self._nbytes, self._parts, self._probe = storage, key, nbytes, parts, probe
-        self._into = into
+    def __init__(self, storage: "TensorStoreStorage", key: str, nbytes: int, into: np.ndarray | None,
+                 window: int | None):
+        check_key(key)
+        if storage._spec.get("driver") == "file":
+            check_local_key(storage._spec["path"], key)
+        self._storage, self._key, self._nbytes, self._into = storage, key, nbytes, into
+        self._ranges = [(a, min(a + PART_BYTES, nbytes)) for a in range(0, nbytes, PART_BYTES)] or [(0, 0)]
+        self._window = len(self._ranges) if window is None else window
+        self._pending: list = []
+        # Only the recorded size is read: an object shorter than that is damage, and so is one
+        # longer, which a one-byte probe past the end (sent with the first part) tells, except
+        # on S3 and GCS, where that would be a second request per object: there the tail of a
+        # longer object is never read (the chunk's checksum covers the bytes that are).
+        remote = storage._spec.get("driver") in ("s3", "gcs")
+        try:
+            self._probe = None if remote else storage.kv.read(key, byte_range=slice(nbytes, nbytes + 1))
+            self._issue(self._window)
+        except Exception as e:
+            raise storage_error(e, storage.where(key)) from None
+        with storage._lock:
+            storage._object_reads += 1
+
+    def _issue(self, n: int) -> None:
+        kv = self._storage.kv
+        while n > 0 and len(self._pending) < len(self._ranges):
+            a, b = self._ranges[len(self._pending)]
+            self._pending.append((a, b, kv.read(self._key, byte_range=slice(a, b))))
+            n -= 1
 
     def result(self, timeout: float | None = None) -> np.ndarray:
         s, key, nbytes = self._storage, self._key, self._nbytes
@@ -135,8 +159,13 @@ class _ChunkFuture:
         # docs/benchmarks.md, "Chunk parts copied as they arrive").
         try:
             out = _output(self._into, nbytes, s.where(key))
-            parts, self._parts = self._parts, []
-            for start, stop, future in parts:
+            for i in range(len(self._ranges)):
+                try:
+                    self._issue(i + self._window - len(self._pending))
+                except Exception as e:
+                    raise storage_error(e, s.where(key)) from None
+                start, stop, future = self._pending[i]
+                self._pending[i] = None
                 data = s._part(key, future, nbytes)
                 if len(data) != stop - start:
                     raise CheckpointError(f"{s.where(key)} is truncated: it holds fewer than the {nbytes} bytes expected")
@@ -146,7 +175,8 @@ class _ChunkFuture:
             _refuse_longer(self._probe, s.where(key), nbytes)
             return out
         finally:
-            s._chunk_read_done()
+            self._pending = []
+            s._object_read_done()
 
 
 def _output(into: np.ndarray | None, nbytes: int, where: str) -> np.ndarray:
@@ -183,9 +213,9 @@ class TensorStoreStorage(Storage):
         self.conditional_writes = conditional_writes
         self._kv: ts.KvStore | None = None
         self._lock = threading.Lock()
-        # The latest chunk part's bytes, kept while chunk reads are in flight (see _ChunkFuture).
+        # The latest part's bytes, kept while object reads are in flight (see _ObjectRead).
         self._last_part: bytes | None = None
-        self._chunk_reads = 0
+        self._object_reads = 0
 
     # ---- location ----------------------------------------------------------------------
 
@@ -246,65 +276,21 @@ class TensorStoreStorage(Storage):
         return data
 
     def read_exact(self, key: str, nbytes: int, into: np.ndarray | None = None) -> np.ndarray:
-        # Only the recorded size is read: an object shorter than that is damage, and so is one
-        # longer, which a one-byte probe past the end (sent with the first part) tells, except
-        # on S3 and GCS, where that would be a second request per chunk: there the tail of a
-        # longer object is never read (the chunk's checksum covers the bytes that are).
-        out = _output(into, nbytes, self.where(key))
-        remote = self._spec.get("driver") in ("s3", "gcs")
-        # Object stores: ranged GETs of OBJECT_PART_BYTES, up to OBJECT_PARTS_IN_FLIGHT of them
-        # at once, so that a reader keeps requests queued while it checks what arrived (one
-        # request per chunk left gaps: measured in docs/benchmarks.md, "Object stores").
-        piece = OBJECT_PART_BYTES if remote else READ_PIECE
-        window = OBJECT_PARTS_IN_FLIGHT if remote else 1
-        ranges = [(a, min(a + piece, nbytes)) for a in range(0, nbytes, piece)] if nbytes else [(0, 0)]
-        check_key(key)
-        if self._spec.get("driver") == "file":
-            check_local_key(self._spec["path"], key)
-        probe = None if remote else self.kv.read(key, byte_range=slice(nbytes, nbytes + 1))
-        pending: list = []
-        for i in range(len(ranges) + window):
-            if i < len(ranges):
-                start, stop = ranges[i]
-                pending.append((start, stop, self.kv.read(key, byte_range=slice(start, stop))))
-            if i >= window or i >= len(ranges):
-                if not pending:
-                    break
-                start, stop, future = pending.pop(0)
-                data = self._part(key, future, nbytes)
-                if len(data) != stop - start:
-                    raise CheckpointError(f"{self.where(key)} is truncated: it holds fewer than the {nbytes} bytes expected")
-                out[start:stop] = np.frombuffer(data, np.uint8)
-        _refuse_longer(probe, self.where(key), nbytes)
-        return out
+        return _ObjectRead(self, key, nbytes, into, PARTS_IN_FLIGHT).result()
 
     def read_chunk_async(self, path: str, index: tuple[int, ...], nbytes: int, executor: Any = None,
                          into: np.ndarray | None = None) -> Any:
         """One chunk file's bytes as a future, the read issued now from this thread (no pool:
-        the restore reader issues a batch's reads at once and checks each as it arrives). One
-        ranged GET per CHUNK_PART_BYTES of the recorded size, all issued now; the result is
-        an aligned buffer (`into` where given) the parts are copied into as they are taken.
-        Same checks as read_exact: a
-        confined key, never more than `nbytes` read, a shorter object is an error, and a
-        longer one too (told by a one-byte probe, except on S3 and GCS: see read_exact)."""
+        the restore reader issues a batch's reads at once and checks each as it arrives): every
+        ranged GET of PART_BYTES of the recorded size issued now; the result is an aligned
+        buffer (`into` where given) the parts are copied into as they are taken. Same checks as
+        read_exact: a confined key, never more than `nbytes` read, a shorter object is an error,
+        and a longer one too (told by a one-byte probe, except on S3 and GCS: see _ObjectRead)."""
         if type(self).read_exact is not TensorStoreStorage.read_exact:
             # A subclass that reads files its own way (local disk: direct I/O into an aligned
             # buffer, sized by fstat first) keeps it, on the reader's pool.
             return Storage.read_chunk_async(self, path, index, nbytes, executor, into)
-        key = f"{path}/{chunk_key(index)}"
-        check_key(key)
-        if self._spec.get("driver") == "file":
-            check_local_key(self._spec["path"], key)
-        remote = self._spec.get("driver") in ("s3", "gcs")
-        try:
-            probe = None if remote else self.kv.read(key, byte_range=slice(nbytes, nbytes + 1))
-            parts = [(a, min(a + CHUNK_PART_BYTES, nbytes)) for a in range(0, nbytes, CHUNK_PART_BYTES)] or [(0, 0)]
-            parts = [(a, b, self.kv.read(key, byte_range=slice(a, b))) for a, b in parts]
-        except Exception as e:
-            raise storage_error(e, self.where(key)) from None
-        with self._lock:
-            self._chunk_reads += 1
-        return _ChunkFuture(self, key, nbytes, parts, probe, into)
+        return _ObjectRead(self, f"{path}/{chunk_key(index)}", nbytes, into, None)
 
     def read_window_bytes(self, io_concurrency: int) -> int | None:
         # TensorStore holds every response whole until it is taken: with a whole 0.5 GiB
@@ -314,13 +300,13 @@ class TensorStoreStorage(Storage):
         # in 0.69 s instead of 0.95 s (medians of 8, interleaved: docs/benchmarks.md).
         if self._spec.get("driver") == "file":
             return None
-        return max(128 << 20, 2 * io_concurrency * CHUNK_PART_BYTES)
+        return max(128 << 20, 2 * io_concurrency * PART_BYTES)
 
-    def _chunk_read_done(self) -> None:
+    def _object_read_done(self) -> None:
         with self._lock:
-            self._chunk_reads -= 1
-            if self._chunk_reads <= 0:
-                self._chunk_reads, self._last_part = 0, None  # nothing outlives the restore
+            self._object_reads -= 1
+            if self._object_reads <= 0:
+                self._object_reads, self._last_part = 0, None  # nothing outlives the reads
 
     def _part(self, key: str, future: Any, nbytes: int) -> bytes:
         try:
