@@ -60,6 +60,63 @@ def test_writer_creates_directories_and_names_the_file_on_error(tmp_path):
     assert e.value.filename == os.path.join(str(tmp_path), "a/b/c/0/2")
 
 
+def test_a_resolved_chunk_has_every_new_directory_entry_fsynced(tmp_path, monkeypatch):
+    # The durability a commit relies on: once a chunk's future resolves, the file is fsynced and
+    # so is the entry of every directory created on its way (its parent fsynced after the
+    # mkdir), whichever thread made the directory. Recorded through os.mkdir / os.fsync.
+    import threading
+
+    events, lock = [], threading.Lock()
+    real_mkdir, real_fsync = os.mkdir, os.fsync
+
+    def mkdir(path, *args, **kwargs):
+        real_mkdir(path, *args, **kwargs)
+        with lock:
+            events.append(("mkdir", os.path.abspath(path)))
+
+    def fsync(fd):
+        real_fsync(fd)
+        with lock:
+            events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(os, "fsync", fsync)
+    root = os.path.realpath(tmp_path)
+    writer = ChunkFileWriter(root, 4)
+    values = np.arange(4096, dtype=np.int32)
+    keys = [f"g/{a}/c/{i}/{j}" for a in ("x", "y") for i in range(3) for j in range(2)]
+    seen: dict[str, int] = {}
+
+    def note(key):
+        def done(_):
+            with lock:
+                seen[key] = len(events)
+        return done
+
+    futures = []
+    for key in keys:
+        f = writer.write(key, _aligned(values))
+        f.add_done_callback(note(key))
+        futures.append(f)
+    for f in futures:
+        f.result()
+    made = {path: i for i, (kind, path) in enumerate(events) if kind == "mkdir"}
+    assert set(made) >= {os.path.join(root, "g"), os.path.join(root, "g/x/c/2")}
+    for key in keys:
+        log = events[:seen[key]]
+        path = os.path.join(root, key)
+        synced = [i for i, (kind, p) in enumerate(log) if kind == "fsync" and p == path]
+        assert synced, key
+        d = os.path.dirname(path)
+        needs = [(d, synced[0])]  # the file's entry, after its data
+        while d in made:
+            needs.append((os.path.dirname(d), made[d]))  # a new directory's entry, after its mkdir
+            d = os.path.dirname(d)
+        for parent, after in needs:
+            assert any(kind == "fsync" and p == parent and i > after for i, (kind, p) in enumerate(log)), (key, parent)
+        assert np.array_equal(np.frombuffer(open(path, "rb").read(), np.int32), values)
+
+
 @pytest.mark.parametrize("box,data_shape", [(((4, 5), (0, 4)), (1, 4)), (((0, 4), (4, 7)), (4, 3)),
                                             (((4, 5), (4, 7)), (1, 3))])
 def test_edge_chunk_file_holds_the_whole_chunk_shape(tmp_path, box, data_shape):
