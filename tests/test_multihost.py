@@ -1,12 +1,14 @@
 """Multi-process save and restore under jax.distributed, with real processes on 127.0.0.1.
 
-Four jobs, each reused for several checks (process start-up is most of the cost):
+The jobs, most reused for several checks (process start-up is most of the cost):
   save_job     2 processes x 4 devices: saves X; a plan mismatch, a planning error, an existing
                destination, a write failure on one process; a manager with retention.
   job_4x2      4 processes x 2 devices: restores X on other meshes; saves Y; a replicated tree Z.
   job_2x4      2 processes x 4 devices: restores Y.
   sigkill_job  3 processes x 2 devices: a save that outlasts the timeout (all alive) succeeds;
                then one process SIGKILLs itself in the middle of a save.
+  preemption   2 processes x 4 devices, once per victim: a manager in a training loop; one
+               process gets SIGTERM, and every process saves the same (sync point) step.
 The `run_*` functions run inside the processes (see multiproc.py) and report what they saw; the
 tests assert on those reports. This process (1 x 8 devices) restores X and Y once more.
 """
@@ -148,6 +150,34 @@ def run_sigkill_job(w: Worker) -> None:
     bad_np, _ = bad_shards(ckpt.restore(f"{root}/step_1"), arrays, seed=1)
     w.report(check="killed-save", raised=message, seconds=elapsed, entries=sorted(os.listdir(root)),
              bad=bad + bad_np, shards=n)
+
+
+PREEMPT_ARRAYS = {"w": ((16, 32), np.float32, P("data", "model")), "b": ((40,), np.float32, P())}
+PREEMPT_NOTICE_STEP = 5
+
+
+def run_preemption_job(w: Worker) -> None:
+    # A training loop with a manager whose interval never comes due; one process receives the
+    # scheduler's SIGTERM at step 5. JAX's preemption service turns it into a sync point that
+    # every process reaches at the same step: the manager saves that step there, and the loop
+    # stops after it.
+    mesh = mesh_of((2, 4))
+    manager = ckpt.CheckpointManager(w.args["dir"], save_interval_steps=10_000)
+    saved, step = [], 0
+    for step in range(1, 400):
+        tree = build(PREEMPT_ARRAYS, mesh, seed=step)
+        if step == PREEMPT_NOTICE_STEP and w.index == w.args["victim"]:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if manager.save(step, tree):
+            saved.append(step)
+        if manager.reached_preemption(step):
+            manager.wait()
+            break
+        time.sleep(0.02)
+    restored = manager.restore(step, mesh=mesh)
+    bad, n = bad_shards(restored, PREEMPT_ARRAYS, shardings_for(PREEMPT_ARRAYS, mesh), seed=step)
+    w.report(check="preempted", stopped=step, saved=saved, steps=manager.all_steps(), bad=bad, shards=n)
+    manager.close()
 
 
 # ---- the tests -------------------------------------------------------------------------------
@@ -329,3 +359,19 @@ def test_sigkill_mid_save_fails_survivors_and_keeps_previous_step(tmp_path):
         assert rec["entries"] == ["slow", "step_1"], rec  # no step_2; the primary removed its temp dir
         assert rec["bad"] == [] and rec["shards"] == 2 * 2, rec
     assert "nothing committed" in results[0].one("killed-save")["raised"]
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_preemption_notice_on_one_process_saves_the_same_step_on_all(tmp_path, victim):
+    results = launch(f"{HERE}:run_preemption_job", processes=2, devices_per_process=4,
+                     args={"dir": str(tmp_path), "victim": victim}, env=TIMEOUT_ENV, timeout_s=120)
+    assert_all_succeeded(results)  # the SIGTERM was a notice: no process was killed by it
+    recs = [r.one("preempted") for r in results]
+    stopped = recs[0]["stopped"]
+    assert stopped > PREEMPT_NOTICE_STEP and all(rec["stopped"] == stopped for rec in recs), recs
+    for rec in recs:  # the first step (a manager saves it) and the sync point's step, nothing else
+        assert rec["saved"] == [1, stopped] and rec["steps"] == [1, stopped], rec
+        assert rec["bad"] == [] and rec["shards"] == 4 * len(PREEMPT_ARRAYS), rec
+    bad, n = bad_shards(ckpt.CheckpointManager(str(tmp_path), read_only=True).restore(stopped), PREEMPT_ARRAYS,
+                        seed=stopped)
+    assert bad == [] and n == len(PREEMPT_ARRAYS)
