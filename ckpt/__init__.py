@@ -15,16 +15,16 @@ Locations are local paths or URLs (file://, memory://, s3://, gs://, any fsspec 
 storage engines behind them live in ckpt.storage (docs/storage.md).
 """
 
-__version__ = "0.1.0"
+from ckpt._version import __version__
 
 from ckpt._convert import convert
 from ckpt._errors import CheckpointError, ChecksumError, TreeMismatchError
 from ckpt._manager import CheckpointManager
-from ckpt._metadata import ArrayMetadata, metadata
+from ckpt._restore import ArrayMetadata, metadata
 from ckpt._options import Options
 from ckpt._restore import restore
 from ckpt._save import SaveHandle, save, save_async
-from ckpt._staging import release_host_memory
+from ckpt._save import release_host_memory
 
 __all__ = [
     "ArrayMetadata",

@@ -21,21 +21,31 @@ import math
 from typing import Any
 
 
-from ckpt import _dtypes
-from ckpt._checksum import ALGORITHM, chunk_checksum
-from ckpt._commit import commit_checkpoint
+from ckpt._format import dtypes as _dtypes
+from ckpt._format import ALGORITHM, chunk_checksum
+from ckpt._save import commit_checkpoint
 from ckpt._errors import CheckpointError
-from ckpt._layout import ShardingInfo, chunk_box, chunk_grid, full_box, spec_axes
-from ckpt._manifest import (
-    ARRAY_KINDS, INLINE_LIMIT, NUMPY_SCALAR, PY_BOOL, PY_COMPLEX, PY_FLOAT, PY_INT, InlineStorage, LeafRecord,
-    Manifest, ZarrStorage,
+from ckpt._geometry import ShardingInfo, chunk_box, chunk_grid, full_box, spec_axes
+from ckpt._format import (
+    ARRAY_KINDS,
+    INLINE_LIMIT,
+    NUMPY_SCALAR,
+    PY_BOOL,
+    PY_COMPLEX,
+    PY_FLOAT,
+    PY_INT,
+    InlineStorage,
+    LeafRecord,
+    Manifest,
+    ZarrStorage,
 )
 from ckpt._options import Options, resolve
 from ckpt._orbax import OrbaxLeaf
-from ckpt._orbax_read import _Arrays, is_orbax, open_layout
-from ckpt._plan import batch_by_budget
-from ckpt._tree import storage_paths
-from ckpt.storage import ArraySpec, Staged, open_storage
+from ckpt._restore import OrbaxArrays, is_orbax, open_layout
+from ckpt._restore import batch_by_budget
+from ckpt._format import storage_paths
+from ckpt._format import ArraySpec
+from ckpt.storage import Staged, open_storage
 
 
 def convert(src: Any, dest: Any, *, overwrite: bool = False, options: Options | None = None) -> None:
@@ -69,7 +79,7 @@ def convert(src: Any, dest: Any, *, overwrite: bool = False, options: Options | 
         raise CheckpointError(f"{open_storage(src, opts).url} is not a checkpoint convert reads "
                               "(an Orbax checkpoint or CheckpointManager step)")
     layout = open_layout(src, opts)
-    arrays = _Arrays(layout, opts)
+    arrays = OrbaxArrays(layout, opts)
     arrays.open(range(len(layout.leaves)))
     storage = open_storage(dest, opts)
     paths = storage_paths([leaf.components for leaf in layout.leaves])
@@ -82,7 +92,7 @@ def convert(src: Any, dest: Any, *, overwrite: bool = False, options: Options | 
             groups = {""} | {"/".join(p.split("/")[:k]) for p in zarr for k in range(1, p.count("/") + 1)}
             for fut in [staged.storage.put_group(g) for g in sorted(groups)]:
                 fut.result()
-        from ckpt import __version__
+        from ckpt._version import __version__
 
         manifest = Manifest(layout.tree, records, library_version=__version__)
         committing = True
@@ -122,7 +132,7 @@ def _python_scalar(rec: LeafRecord, value: Any) -> LeafRecord:
     return LeafRecord(rec.path, PY_COMPLEX, value=[value.real, value.imag])
 
 
-def _convert_leaf(arrays: _Arrays, i: int, leaf: OrbaxLeaf, staged: Staged, path: str,
+def _convert_leaf(arrays: OrbaxArrays, i: int, leaf: OrbaxLeaf, staged: Staged, path: str,
                   options: Options) -> LeafRecord:
     rec = leaf.record
     if rec.kind not in ARRAY_KINDS:

@@ -88,7 +88,7 @@ TREES = {1: golden_tree, 2: golden_tree_v2}
 
 def main(argv=None) -> int:
     import ckpt
-    from ckpt._manifest import FORMAT_VERSION
+    from ckpt._format.records import FORMAT_VERSION
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--force", action="store_true", help="replace an existing golden checkpoint")

@@ -25,8 +25,10 @@ from typing import Any, Callable
 import numpy as np
 
 import ckpt
-from ckpt._layout import chunk_index_of, chunk_key
-from ckpt.storage import Storage, WrapperStorage, open_storage
+from ckpt._geometry import chunk_index_of, chunk_key
+from ckpt.storage._base import Storage
+from ckpt.storage._wrapper import WrapperStorage
+from ckpt.storage._location import open_storage
 from ckpt.storage._base import Done
 
 BIG = 1 << 31  # max_bytes for reading whole objects in tests
@@ -109,14 +111,14 @@ def copy_tree(src: Storage, dst: Storage) -> None:
 
 def manifest_of(location: Any):
     """The manifest at `location` (a location, or a Storage as is)."""
-    from ckpt._commit import read_manifest
+    from ckpt._format.manifest import read_manifest
 
     return read_manifest(storage_of(location))
 
 
 def leaf_storage_path(location: Any, leaf: str) -> str:
     """Where the zarr array of `leaf` lives below the checkpoint (a generation prefix included)."""
-    from ckpt._tree import leaf_components
+    from ckpt._format.tree import leaf_components
 
     manifest = manifest_of(location)
     paths = ["/".join(c) for c in leaf_components(manifest.tree)]
@@ -156,7 +158,7 @@ def dead_owner() -> bytes:
     import subprocess
     import sys
 
-    from ckpt.storage._base import owner_record
+    from ckpt.storage._owners import owner_record
 
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
@@ -166,7 +168,7 @@ def dead_owner() -> bytes:
 def plant_dead_save(storage: Storage, name: str) -> None:
     """What a save killed mid-way leaves at `name` below `storage`: staged data and the owner
     record of a process that is gone."""
-    from ckpt.storage._base import OWNER_NAME
+    from ckpt.storage._owners import OWNER_NAME
 
     storage.put(f"{name}/w/c/0/0", b"x" * 64).result()
     storage.put(f"{name}/{OWNER_NAME}", dead_owner()).result()

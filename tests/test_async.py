@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
-from ckpt.storage import MANIFEST_NAME
+from ckpt._format.records import MANIFEST_NAME
 from support import Faults, io_error
 
 

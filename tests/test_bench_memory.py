@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from ckpt import bench, bench_memory
-from ckpt._bench_memory_child import measure
+from bench import bench, bench_memory
+from bench.bench_memory_child import measure
 
 MIB = 2**20
 

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
-from ckpt.storage import MANIFEST_NAME
+from ckpt._format.records import MANIFEST_NAME
 from support import BIG, PER_SHARD, chunk_object, copy_tree, crc32c_reference, flip_byte, storage_of, truncate
 
 

@@ -9,7 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from ckpt.storage import ArraySpec, aligned_empty
+from ckpt._format.zarr import ArraySpec
+from ckpt._memory import aligned_empty
 from ckpt.storage._chunk_files import ChunkFileWriter, write_file
 from ckpt.storage._local import LocalStorage
 

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
 import ckpt.storage
-from ckpt.cli import main as cli_main
+from ckpt.cli._main import main as cli_main
 from ckpt._restore import restore_with_stats
 from support import PER_SHARD  # these checkpoints keep one chunk file per shard: tests name chunks
 
@@ -356,7 +356,7 @@ def _storage(url, engine=None):
 
 def _chunk_key(url, leaf, index, engine=None):
     """The storage key of a chunk of `leaf` in the checkpoint at `url` (with its generation prefix)."""
-    from ckpt._commit import read_manifest
+    from ckpt._format.manifest import read_manifest
 
     rec = next(l for l in read_manifest(_storage(url, engine)).leaves if l.path == leaf)
     return f"{rec.zarr.path}/c/" + "/".join(map(str, index))

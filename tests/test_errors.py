@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ckpt
-from ckpt.storage import MANIFEST_NAME
+from ckpt._format.records import MANIFEST_NAME
 from ckpt.storage._base import Done
 from ckpt.storage._tensorstore import MappedFuture, storage_error
 from support import BIG, Faults, committed_generations, copy_tree, disk_full, io_error
@@ -335,7 +335,7 @@ def test_a_damaged_manifest_is_an_error_naming_the_file_never_other_data(locatio
 
 def _resealed(location, name, edit):
     """Rewrite the manifest with `edit` and a valid checksum (a hostile writer, not damage)."""
-    from ckpt._manifest import seal
+    from ckpt._format.records import seal
 
     storage = location.storage(name)
     doc = msgpack.unpackb(storage.get(MANIFEST_NAME, max_bytes=BIG), strict_map_key=False)
@@ -379,7 +379,7 @@ def _deep(depth):
 def test_a_temporary_directory_is_never_a_checkpoint_whatever_it_holds(tmp_path, sharding):
     """POSIX only: what a crash between the manifest write and the rename leaves, read directly
     and through a link."""
-    from ckpt.cli import main as cli_main
+    from ckpt.cli._main import main as cli_main
 
     ckpt.save(tmp_path / "c", _tree(sharding))
     os.rename(tmp_path / "c", tmp_path / "c.tmp-0123456789ab")  # a whole checkpoint, manifest included

@@ -136,7 +136,7 @@ def test_golden_v2_restores_to_the_stated_values_and_onto_a_mesh():
 
 
 def test_golden_checkpoints_are_tiny_and_exist_for_every_version():
-    from ckpt._manifest import FORMAT_VERSION
+    from ckpt._format.records import FORMAT_VERSION
 
     for version in range(1, FORMAT_VERSION + 1):
         root = os.path.join(FORMATS, "golden", f"v{version}", "checkpoint")

@@ -18,7 +18,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
-from ckpt.storage import MANIFEST_NAME, open_storage
+from ckpt._format.records import MANIFEST_NAME
+from ckpt.storage._location import open_storage
 from servers import FakeGcs
 from support import committed_generations, race_two_saves
 

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
 import ckpt._manager
-from ckpt._manager import steps_to_delete
+from ckpt._manager.retention import steps_to_delete
 from support import Faults, io_error, plant_dead_save, without_lease
 
 REPO = Path(__file__).resolve().parent.parent

@@ -17,8 +17,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
-from ckpt._retention import StepFacts, best_step, steps_to_delete
-from ckpt.cli import main
+from ckpt._manager.retention import StepFacts, best_step, steps_to_delete
+from ckpt.cli._main import main
 from support import PER_SHARD, Faults, flip_byte
 
 

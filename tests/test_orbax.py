@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
-from ckpt.cli import main
+from ckpt.cli._main import main
 
 DATA_011 = os.path.join(os.path.dirname(__file__), "data", "orbax-0.11.0")
 LAYOUTS = ["ocdbt", "zarr3", "zarr2", "ocdbt_zarr3", "manager"]

@@ -9,9 +9,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
 from ckpt import _restore
-from ckpt._layout import index_to_box, named_boxes
-from ckpt._plan import ArrayShards, batch_by_budget, plan_leaf_read, plan_save
-from ckpt._tree import escape_component, storage_paths
+from ckpt._geometry import index_to_box, named_boxes
+from ckpt._save.plan import ArrayShards, plan_save
+from ckpt._restore.plan import batch_by_budget, plan_leaf_read
+from ckpt._format.tree import escape_component, storage_paths
 
 MESHES = [((8,), ("a",)), ((4, 2), ("a", "b")), ((2, 4), ("a", "b")), ((2, 2, 2), ("a", "b", "c"))]
 SPECS = [P(), P("a"), P(None, "a"), P("a", "b"), P("b", "a"), P(("a", "b")), P(None, ("b", "a")), P(("a", "c"), "b")]
@@ -139,8 +140,8 @@ def test_tiles_of_a_region_over_the_budget_are_chunk_aligned_and_hold_each_chunk
     """A restore cuts a region whose chunks do not fit the host budget into tiles along chunk
     boundaries (ckpt._place._split): every needed chunk lies in exactly one tile, and each tile
     fits, or is one chunk."""
-    from ckpt._layout import box_size, chunks_overlapping, intersect
-    from ckpt._place import _split
+    from ckpt._geometry import box_size, chunks_overlapping, intersect
+    from ckpt._restore.place import _split
 
     chunk = (16, 64)
     region = ((8, 200), (32, 256))  # not aligned to the chunk grid at its edges

@@ -15,9 +15,10 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import ckpt
-from ckpt.storage import WrapperStorage, open_storage
-from ckpt._host_memory import POOLED_MIN_BYTES, ReadBuffers
-from ckpt._place import HostBudget
+from ckpt.storage._wrapper import WrapperStorage
+from ckpt.storage._location import open_storage
+from ckpt._memory import POOLED_MIN_BYTES, ReadBuffers
+from ckpt._restore.place import HostBudget
 from ckpt._restore import restore_with_stats
 from support import Faults
 

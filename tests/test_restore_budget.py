@@ -45,7 +45,7 @@ def _within(stats, budget=BUDGET):
 def fill(request, monkeypatch):
     """Both ways a shard larger than the budget is filled: in a host buffer the CPU device then
     adopts, and the accelerators' way (each piece updated into a device buffer)."""
-    from ckpt import _place
+    from ckpt._restore import place as _place
 
     monkeypatch.setattr(_place, "FILL_CPU_SHARDS_IN_PLACE", request.param == "in place")
     return request.param

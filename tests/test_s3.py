@@ -26,8 +26,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import ckpt
-from ckpt.cli import main as cli
-from ckpt.storage import GENERATION_MARK, MANIFEST_NAME, open_storage
+from ckpt.cli._main import main as cli
+from ckpt._format.records import GENERATION_MARK, MANIFEST_NAME
+from ckpt.storage._location import open_storage
 from servers import ACCESS_KEY, REGION, SECRET_KEY, CephRgw, SeaweedFS, free_ports
 from support import Faults, chunk_object, committed_generations, keys, race_two_saves, truncate
 
@@ -87,11 +88,11 @@ def _clear(monkeypatch, *names):
 
 
 def test_s3_settings_come_from_the_standard_variables(monkeypatch):
-    from ckpt.storage._location import OBJECT_STORE_RETRIES, _tensorstore_spec
+    from ckpt.storage._location import OBJECT_STORE_RETRIES, tensorstore_spec
 
     _clear(monkeypatch, "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
            "AWS_PROFILE", "AWS_DEFAULT_PROFILE")
-    spec, kind = _tensorstore_spec("s3://bucket/a/b", {})
+    spec, kind = tensorstore_spec("s3://bucket/a/b", {})
     assert kind == "s3" and spec == {"driver": "s3", "bucket": "bucket", "path": "a/b/",
                                      "aws_credentials": {"type": "default", "profile": "default"},
                                      "s3_request_retries": OBJECT_STORE_RETRIES}
@@ -99,24 +100,24 @@ def test_s3_settings_come_from_the_standard_variables(monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:2")  # the service-specific one wins
     monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-1")
     monkeypatch.setenv("AWS_PROFILE", "training")
-    spec, _ = _tensorstore_spec("s3://bucket", {})
+    spec, _ = tensorstore_spec("s3://bucket", {})
     assert spec["endpoint"] == "http://127.0.0.1:2" and spec["aws_region"] == "eu-west-1" and spec["path"] == ""
     assert spec["aws_credentials"] == {"type": "default", "profile": "training"}
     monkeypatch.setenv("AWS_REGION", "us-west-2")  # wins over AWS_DEFAULT_REGION
     retries = {"max_retries": 1}
-    spec, _ = _tensorstore_spec("s3://bucket/p", {"endpoint": "http://x:3", "s3_request_retries": retries})
+    spec, _ = tensorstore_spec("s3://bucket/p", {"endpoint": "http://x:3", "s3_request_retries": retries})
     assert spec["aws_region"] == "us-west-2" and spec["endpoint"] == "http://x:3" and spec["s3_request_retries"] == retries
 
 
 def test_gcs_emulator_variable_reaches_tensorstore_and_gcsfs(monkeypatch):
-    from ckpt.storage._location import _object_store_defaults, _tensorstore_spec
+    from ckpt.storage._location import _object_store_defaults, tensorstore_spec
 
     _clear(monkeypatch, "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
-    spec, kind = _tensorstore_spec("gs://bucket/p", {})
+    spec, kind = tensorstore_spec("gs://bucket/p", {})
     assert kind == "gcs" and spec["driver"] == "gcs" and "TENSORSTORE_GCS_HTTP_URL" not in os.environ
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:4443")
-    _tensorstore_spec("gs://bucket/p", {})
+    tensorstore_spec("gs://bucket/p", {})
     assert os.environ["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:4443"
     assert os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"]
     options: dict = {}
@@ -559,7 +560,7 @@ def _check_after_kill(root, tree_values, checked, seen):
     every uncommitted location refuses to restore. Looks through the Storage API only (a
     CheckpointManager opened here would clean up, which is the saver's job). Counts in `seen`
     what it found; returns the committed locations checked so far."""
-    from ckpt._steps import scan_steps
+    from ckpt._manager.naming import scan_steps
 
     storage = open_storage(root, TS.resolved())
     for name in storage.child("single").list_dir("")[1]:

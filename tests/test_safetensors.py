@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ckpt
 import ckpt.safetensors as cs
-from ckpt._safetensors import restore_with_stats
+from ckpt._restore.safetensors_source import restore_with_stats
 from multiproc import Worker, assert_all_succeeded, launch
 
 HERE = os.path.abspath(__file__)
@@ -213,8 +213,8 @@ def test_restore_a_file_written_by_the_safetensors_package(tmp_path):
 
 
 def test_restore_reads_only_the_rows_and_ranges_needed(tmp_path):
-    from ckpt._safetensors import open_tensors, read_box
-    from ckpt.storage import aligned_empty
+    from ckpt._restore.safetensors_source import open_tensors, read_box
+    from ckpt._memory import aligned_empty
 
     big = np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024)
     file = tmp_path / "big.safetensors"
@@ -336,7 +336,7 @@ def test_restore_from_an_object_store_reads_ranges_through_its_engine(tmp_path):
     """memory:// (the tensorstore engine): the file is read with ranged reads, not fetched whole."""
     import uuid
 
-    from ckpt.storage import open_storage
+    from ckpt.storage._location import open_storage
 
     file = tmp_path / "m.safetensors"
     big = np.arange(256 * 256, dtype=np.float32).reshape(256, 256)

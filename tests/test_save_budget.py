@@ -15,10 +15,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ckpt
-from ckpt._describe import chunk_shape_for
-from ckpt._layout import box_size
-from ckpt._plan import ArrayShards, ShardWrite, plan_save
-from ckpt._staging import POOL
+from ckpt._save.plan import chunk_shape_for
+from ckpt._geometry import box_size
+from ckpt._save.plan import ArrayShards, ShardWrite, plan_save
+from ckpt._save.stage import POOL
 from support import Faults
 
 BUDGET = 64 << 10  # chunks are then capped at 16 KiB

@@ -25,7 +25,8 @@ import zarr
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import ckpt
-from ckpt._plan import MAX_STACK_MEMBERS, ArrayShards, PackedWrite, plan_save
+from ckpt._format import records
+from ckpt._save.plan import MAX_STACK_MEMBERS, ArrayShards, PackedWrite, plan_save
 from ckpt._restore import restore_with_stats
 from ckpt.cli._verify import verify_checkpoint
 from multiproc import Worker, assert_all_succeeded, launch
@@ -108,16 +109,16 @@ def test_small_arrays_are_stacked_or_one_chunk_and_nothing_small_is_per_shard(sa
     _, path = saved
     m = manifest_of(path)
     assert m.format_version == 2
-    storage = {r.path: r.storage for r in m.leaves if r.kind in ckpt._manifest.ARRAY_KINDS}
+    storage = {r.path: r.storage for r in m.leaves if r.kind in records.ARRAY_KINDS}
     stacks = {s.zarr.path.rsplit("/", 1)[-1]: s for s in m.stacks}
     assert sorted(s.shape for s in stacks.values()) == sorted([(N, 24, 96), (N, 1536), (3, 48, 64), (3, 1100)])
     for group, shape in [("w", (24, 96)), ("b", (1536,)), ("h", (48, 64)), ("np", (1100,))]:
         members = [storage[p] for p in storage if p.split("/")[0] == group]
-        assert all(isinstance(st, ckpt._manifest.StackedStorage) for st in members), group
+        assert all(isinstance(st, records.StackedStorage) for st in members), group
         assert len({st.stack for st in members}) == 1 and sorted(st.index for st in members) == list(range(len(members)))
         assert m.stacks[members[0].stack].shape[1:] == shape
     assert storage["odd"].chunk_shape == (48, 40) and storage["big"].chunk_shape == (128, 384)
-    assert isinstance(storage["tiny"], ckpt._manifest.InlineStorage)
+    assert isinstance(storage["tiny"], records.InlineStorage)
     files = [k for k in keys(storage_of(path)) if "/c/" in k or k.endswith("/c")]
     # One chunk file per stack (all are under 4 MiB), one for "odd", eight for "big".
     assert len(files) == 4 + 1 + 8, files

@@ -13,7 +13,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
-from ckpt.storage import ENGINES, GENERATION_MARK, MANIFEST_NAME, location_text, open_storage
+from ckpt.storage._location import ENGINES, location_text, open_storage
+from ckpt._format.records import GENERATION_MARK, MANIFEST_NAME
 from support import Faults, Location, committed_generations, io_error, keys, race_two_saves, snapshot, storage_of, without_lease
 
 # ---- the tree: bf16, int8 and float32; sharded over a 4x2 mesh and replicated; a scalar --------

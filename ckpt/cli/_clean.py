@@ -14,11 +14,12 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt._commit import read_manifest
+from ckpt._format import read_manifest
 from ckpt._errors import CheckpointError
 from ckpt._options import Options
-from ckpt.storage import GENERATION_MARK, MANIFEST_NAME, Storage, is_temp_name
-from ckpt.storage._base import Leftover
+from ckpt._format import GENERATION_MARK, MANIFEST_NAME, is_temp_name
+from ckpt.storage import Storage
+from ckpt.storage import Leftover
 
 
 @dataclass(frozen=True)
@@ -121,9 +122,9 @@ def add_clean_command(command, options_of) -> None:
 def _cmd_clean(args: argparse.Namespace, options: Options) -> int:
     import json
 
-    from ckpt.cli._locate import _storage
+    from ckpt.cli._opened import open_location
 
-    report = clean(_storage(args.path, options), dry_run=args.dry_run)
+    report = clean(open_location(args.path, options), dry_run=args.dry_run)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0

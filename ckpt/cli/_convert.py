@@ -41,7 +41,7 @@ def cmd_convert(args) -> int:
     start = time.perf_counter()
     convert(src, args.dest, overwrite=args.overwrite, options=options)
     seconds = time.perf_counter() - start
-    from ckpt import metadata
+    from ckpt._restore import metadata
 
     meta = metadata(args.dest, options=options)
     import jax

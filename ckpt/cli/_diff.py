@@ -19,14 +19,14 @@ from typing import Any, Iterator
 import ml_dtypes
 import numpy as np
 
-from ckpt import _dtypes
-from ckpt._layout import Box, box_shape, chunk_box, chunk_grid
-from ckpt._manifest import ARRAY_KINDS
+from ckpt._format import dtypes as _dtypes
+from ckpt._geometry import Box, box_shape, chunk_box, chunk_grid
+from ckpt._format import ARRAY_KINDS
 from ckpt._options import Options, resolve
-from ckpt._plan import plan_leaf_read
-from ckpt._restore import RestoreStats, _Reader
-from ckpt._tree import display_path
-from ckpt.cli._locate import Opened
+from ckpt._restore import plan_leaf_read
+from ckpt._restore import RestoreStats, Reader
+from ckpt._format import display_path
+from ckpt.cli._opened import Opened
 
 DEFAULT_BLOCK_BYTES = 64 << 20
 
@@ -71,7 +71,7 @@ class _Source:
         self.index = index
         self.logical = _dtypes.dtype_from_name(rec.dtype)
         self.chunk_shape = rec.chunk_shape
-        self.reader = _Reader(opened.storage, opened.manifest.leaves, True, RestoreStats(), options)
+        self.reader = Reader(opened.storage, opened.manifest.leaves, True, RestoreStats(), options)
 
     def read(self, box: Box) -> np.ndarray:
         """The region `box`, reading (and verifying) only the chunks that overlap it."""

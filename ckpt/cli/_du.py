@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ckpt import _dtypes
-from ckpt._layout import chunk_grid
-from ckpt._manifest import ARRAY_KINDS, Manifest
-from ckpt._tree import display_path, leaf_components
+from ckpt._format import dtypes as _dtypes
+from ckpt._geometry import chunk_grid
+from ckpt._format import ARRAY_KINDS, Manifest
+from ckpt._format import display_path, leaf_components
 
 
 @dataclass

@@ -8,56 +8,19 @@ library saves to, and sees generation-prefixed checkpoints exactly as restore do
 
 from __future__ import annotations
 
-import errno
 import math
-from dataclasses import dataclass
 from typing import Any
 
-from ckpt import _dtypes
-from ckpt._commit import read_manifest
+from ckpt._format import dtypes as _dtypes
+from ckpt._format import read_manifest
 from ckpt._errors import CheckpointError
-from ckpt._layout import chunk_grid
-from ckpt._manifest import Manifest
-from ckpt._options import Options, resolve
-from ckpt._steps import parse_step, scan_steps, step_dir_name
-from ckpt.storage import MANIFEST_NAME, TEMP_MARK, Storage, is_temp_name, open_storage
-
-
-@dataclass(frozen=True)
-class Opened:
-    """A committed checkpoint, its manifest read and checked."""
-
-    storage: Storage
-    manifest: Manifest
-    note: str | None = None  # set when a step was picked out of a manager directory
-
-    @property
-    def root(self) -> str:
-        """The checkpoint's location, as shown to the user."""
-        return self.storage.url
-
-
-def _is_file(storage: Storage) -> bool:
-    """Whether the location itself is a file (object), not a directory (prefix). Lists the
-    parent, so it is asked only to explain an error."""
-    try:
-        return bool(storage.name) and storage.name in storage.parent().list_dir("")[0]
-    except (OSError, CheckpointError):
-        return False
-
-
-def _not_a_directory(storage: Storage) -> CheckpointError:
-    return CheckpointError(f"{storage.url} is not a directory (it is a file)")
-
-
-def _storage(location: Any, options: Options | None) -> Storage:
-    """The storage of `location`, which must hold something."""
-    storage = open_storage(location, resolve(options))
-    if not storage.exists_any():
-        if _is_file(storage):
-            raise _not_a_directory(storage)
-        raise FileNotFoundError(errno.ENOENT, "no such file or directory", storage.url)
-    return storage
+from ckpt._geometry import chunk_grid
+from ckpt._format import Manifest
+from ckpt._options import Options
+from ckpt._manager import parse_step, scan_steps, step_dir_name
+from ckpt._format import MANIFEST_NAME, TEMP_MARK, is_temp_name
+from ckpt.storage import Storage
+from ckpt.cli._opened import Opened, StepRow, _is_file, _not_a_directory, open_location
 
 
 def _committed_steps(storage: Storage) -> list[int]:
@@ -69,7 +32,7 @@ def open_checkpoint(location: Any, step: int | None = None, options: Options | N
     the manager directory at `location`, with its manifest read and checked."""
     if step is not None:
         name = step_dir_name(step)  # ValueError for a negative step, before any I/O
-    storage = _storage(location, options)
+    storage = open_location(location, options)
     note = None
     if step is not None:
         if storage.exists(MANIFEST_NAME) and not scan_steps(storage):
@@ -92,20 +55,6 @@ def open_checkpoint(location: Any, step: int | None = None, options: Options | N
 
         refuse_orbax(storage)  # an Orbax directory: say what it is and what reads it
     return Opened(storage, read_manifest(storage), note)
-
-
-@dataclass(frozen=True)
-class StepRow:
-    """One line of `ckpt ls`. Sizes are None where the storage cannot tell them."""
-
-    step: int | None
-    path: str
-    state: str  # 'committed', 'uncommitted' or 'corrupt'
-    size: int | None
-    files: int | None
-    written: float | None  # seconds since the epoch: the manifest's 'created', else the newest file's time
-    problem: str | None = None
-    sized_by: str | None = None  # 'storage' (everything there), 'manifest' (chunks + manifest), None
 
 
 def manifest_size(manifest: Manifest, manifest_bytes: int) -> tuple[int, int]:
@@ -150,7 +99,7 @@ def _row(step: int | None, storage: Storage, note: str | None = None) -> StepRow
 
 def list_steps(location: Any, options: Options | None = None) -> list[StepRow]:
     """Every step of a manager directory, or the one checkpoint at `location`."""
-    storage = _storage(location, options)
+    storage = open_location(location, options)
     has_manifest = storage.exists(MANIFEST_NAME)
     entries = [] if has_manifest else scan_steps(storage)
     from ckpt.cli._clean import notes
@@ -163,7 +112,7 @@ def list_steps(location: Any, options: Options | None = None) -> list[StepRow]:
         return rows + [_row(None, storage.child(n), why) for n, why in sorted(staged.items()) if n not in named]
     if has_manifest or is_temp_name(storage.name):
         return [_row(parse_step(storage.name.split(TEMP_MARK)[0]), storage)]
-    from ckpt.storage import GENERATION_MARK
+    from ckpt._format import GENERATION_MARK
 
     if any(d.startswith(GENERATION_MARK) for d in storage.list_dir("")[1]):
         # A save to this location (object stores: a generation prefix) that never committed.

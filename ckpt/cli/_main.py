@@ -129,7 +129,7 @@ def _cmd_ls(args) -> int:
 def _cmd_inspect(args) -> int:
     from ckpt.cli._render import inspect_document, render_inspect
 
-    from ckpt.cli._orbax import inspect_orbax  # an Orbax checkpoint: shown as it is
+    from ckpt.cli._orbax import inspect_orbax
 
     if (status := inspect_orbax(args.path, args.step, _options(args), args.json)) is not None:
         return status
@@ -224,7 +224,7 @@ def _cmd_bench(argv: Sequence[str]) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ckpt import __version__
+    from ckpt._version import __version__
 
     p = _Parser(
         prog="ckpt",

@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from ckpt._errors import CheckpointError
-from ckpt._manifest import ARRAY_KINDS, LeafRecord, Manifest, ZarrStorage
+from ckpt._format import ARRAY_KINDS, LeafRecord, Manifest, ZarrStorage
 from ckpt._options import Options
 from ckpt._orbax import read_json, read_layout
-from ckpt._orbax_steps import STEP_METADATA, kind_of, scan_orbax_steps, step_of
+from ckpt._orbax import STEP_METADATA, kind_of, scan_orbax_steps, step_of
 from ckpt.storage import Storage, open_storage
 
 
@@ -54,7 +54,7 @@ def refuse_orbax(storage: Storage) -> None:
 def orbax_rows(storage: Storage) -> list | None:
     """`ckpt ls` rows for an Orbax directory (state 'orbax'; 'uncommitted' for a step being
     written), or None when it is not one."""
-    from ckpt.cli._locate import StepRow
+    from ckpt.cli._opened import StepRow
 
     kind = kind_of(storage)
     if kind is None:
@@ -78,8 +78,8 @@ def orbax_rows(storage: Storage) -> list | None:
 def inspect_orbax(location: Any, step: int | None, options: Options, as_json: bool) -> int | None:
     """`ckpt inspect` of an Orbax location (printed here), or None when it is not one."""
     from ckpt.cli._render import inspect_document, json_safe, render_inspect
-    from ckpt.cli._locate import Opened
-    from ckpt._orbax_read import _Arrays
+    from ckpt.cli._opened import Opened
+    from ckpt._restore import OrbaxArrays
     import json
     import sys
 
@@ -90,7 +90,7 @@ def inspect_orbax(location: Any, step: int | None, options: Options, as_json: bo
     if note:
         print(f"using {note}", file=sys.stderr)
     layout = read_layout(storage)
-    _Arrays(layout, options).open(range(len(layout.leaves)))
+    OrbaxArrays(layout, options).open(range(len(layout.leaves)))
     records = []
     for leaf in layout.leaves:
         rec = leaf.record

@@ -7,12 +7,12 @@ import datetime
 import math
 from typing import Any
 
-from ckpt._layout import ShardingInfo, chunk_grid
-from ckpt._manifest import ARRAY_KINDS, FORMAT_NAME, LeafRecord, Manifest
-from ckpt._metadata import array_metadata
-from ckpt._retention import METRICS_KEY
-from ckpt._tree import CUSTOM, LEAF, child_names, display_path
-from ckpt.cli._locate import Opened, StepRow
+from ckpt._geometry import ShardingInfo, chunk_grid
+from ckpt._format import ARRAY_KINDS, FORMAT_NAME, LeafRecord, Manifest
+from ckpt._restore import array_metadata
+from ckpt._manager import METRICS_KEY
+from ckpt._format import CUSTOM, LEAF, child_names, display_path
+from ckpt.cli._opened import Opened, StepRow
 
 
 def human_bytes(n: float) -> str:

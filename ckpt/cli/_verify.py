@@ -21,9 +21,9 @@ import crc32c
 import numpy as np
 
 from ckpt._errors import CheckpointError
-from ckpt._layout import box_shape, chunk_box, chunk_grid, chunk_key
-from ckpt._manifest import ARRAY_KINDS, Manifest, ZarrStorage
-from ckpt._tree import display_path
+from ckpt._geometry import box_shape, chunk_box, chunk_grid, chunk_key
+from ckpt._format import ARRAY_KINDS, Manifest, ZarrStorage
+from ckpt._format import display_path
 from ckpt.storage import Storage
 
 ZARR_JSON_LIMIT = 1 << 20  # an array's zarr.json is a few hundred bytes

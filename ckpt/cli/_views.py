@@ -8,8 +8,8 @@ import re
 from rich.console import Group
 from rich.text import Text
 
-from ckpt._manifest import Manifest
-from ckpt.cli._locate import StepRow
+from ckpt._format import Manifest
+from ckpt.cli._opened import StepRow
 from ckpt.cli._style import styled, table
 
 

@@ -6,12 +6,16 @@ gcs, file) or ``fsspec`` (zarr-python's FsspecStore over any fsspec file system)
 ``Storage`` interface and the commit defined in ``_base``.
 """
 
-from ckpt.storage._base import (
-    GENERATION_MARK, MANIFEST_NAME, TEMP_MARK, ArraySpec, Leftover, NotDurableError, Staged, Storage, aligned_empty,
-    is_temp_name,
-)
+from ckpt._format import GENERATION_MARK, MANIFEST_NAME, TEMP_MARK, ArraySpec, is_temp_name
+from ckpt.storage._owners import Leftover
+from ckpt.storage._base import NotDurableError, Staged, Storage
+from ckpt._memory import aligned_empty
 from ckpt.storage._location import ENGINES, default_engine, location_text, open_storage
 from ckpt.storage._wrapper import WrapperStorage
+from ckpt.storage._base import Done  # noqa: F401 (the door)
+from ckpt.storage._location import scheme_of, tensorstore_spec  # noqa: F401 (the door)
+from ckpt.storage._owners import SaveLock  # noqa: F401 (the door)
+from ckpt.storage._ranges import RangeReader  # noqa: F401 (the door)
 
 __all__ = [
     "ENGINES", "GENERATION_MARK", "MANIFEST_NAME", "TEMP_MARK", "ArraySpec", "Leftover", "NotDurableError", "Staged",

@@ -47,21 +47,30 @@ from typing import Any, Callable, Iterable, NamedTuple
 import numpy as np
 
 from ckpt._errors import CheckpointError
-from ckpt._layout import Box, box_shape, chunk_key
-from ckpt.storage._confine import check_key, check_local_key, file_kind  # noqa: F401  (engines import them here)
-from ckpt.storage._owners import (  # noqa: F401  (and these)
-    _GENERATION, _OWN_TEMP, FOREIGN_OWNER_TTL_S, OWNER_LIMIT_BYTES, OWNER_NAME, UNOWNED_GRACE_S, Leftover, LiveMark,
-    SaveLock, _boot_id, _Lease, owner_bytes, owner_gone, owner_record, owner_text, parse_owner,
+from ckpt._format import (
+    GENERATION_MARK, GROUP_METADATA, MANIFEST_NAME, TEMP_MARK, ArraySpec, array_metadata_bytes, is_temp_name,
 )
-
-MANIFEST_NAME = "manifest.msgpack"
-TEMP_MARK = ".tmp-"
-GENERATION_MARK = "gen-"  # generation prefixes of no-rename backends: gen-<12 hex digits>
-GROUP_METADATA = b'{"zarr_format": 3, "node_type": "group", "attributes": {}}'
-
-
-def is_temp_name(name: str) -> bool:
-    return TEMP_MARK in name
+from ckpt._geometry import Box, box_shape, chunk_key
+from ckpt._memory import aligned_empty
+from ckpt.storage._confine import check_key, check_local_key, file_kind
+from ckpt.storage._owners import (
+    _GENERATION,
+    _OWN_TEMP,
+    FOREIGN_OWNER_TTL_S,
+    OWNER_LIMIT_BYTES,
+    OWNER_NAME,
+    UNOWNED_GRACE_S,
+    Leftover,
+    LiveMark,
+    SaveLock,
+    _boot_id,
+    _Lease,
+    owner_bytes,
+    owner_gone,
+    owner_record,
+    owner_text,
+    parse_owner,
+)
 
 
 class NotDurableError(CheckpointError):
@@ -79,43 +88,6 @@ class Usage(NamedTuple):
     modified: float  # newest modification time below it, seconds since the epoch
 
 
-@dataclass(frozen=True)
-class ArraySpec:
-    shape: tuple[int, ...]
-    chunk_shape: tuple[int, ...]
-    dtype: np.dtype  # storage dtype
-    attributes: dict = field(default_factory=dict)
-
-
-def _fill_value(dtype: np.dtype):
-    if dtype == np.bool_:
-        return False
-    if dtype.kind == "c":
-        return [0.0, 0.0]
-    return 0
-
-
-def zarr_metadata(spec: ArraySpec) -> dict:
-    """The array's Zarr v3 metadata (its zarr.json): uncompressed little-endian chunks."""
-    return {
-        "zarr_format": 3,
-        "node_type": "array",
-        "shape": list(spec.shape),
-        "data_type": spec.dtype.name,
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(spec.chunk_shape)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": _fill_value(spec.dtype),
-        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
-        "attributes": spec.attributes,
-    }
-
-
-def array_metadata_bytes(spec: ArraySpec) -> bytes:
-    """The bytes of the array's zarr.json, as ``Storage.create_array`` writes them (the manifest
-    records their CRC-32C)."""
-    return json.dumps(zarr_metadata(spec)).encode()
-
-
 _pools: dict[tuple[str, int], ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
@@ -127,14 +99,6 @@ def shared_pool(name: str, concurrency: int) -> ThreadPoolExecutor:
         if (name, concurrency) not in _pools:
             _pools[name, concurrency] = ThreadPoolExecutor(concurrency, thread_name_prefix=name)
         return _pools[name, concurrency]
-
-
-def aligned_empty(nbytes: int, alignment: int = 64) -> np.ndarray:
-    """An uninitialised uint8 buffer whose data starts on an `alignment`-byte boundary
-    (XLA's CPU client adopts such host buffers without copying them)."""
-    raw = np.empty(nbytes + alignment, np.uint8)
-    offset = -raw.ctypes.data % alignment
-    return raw[offset : offset + nbytes]
 
 
 # Objects larger than this are read in pieces of this size, so that an engine's own buffers stay

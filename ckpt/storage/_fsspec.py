@@ -18,11 +18,10 @@ from typing import Any
 import numpy as np
 
 from ckpt._errors import CheckpointError
-from ckpt._layout import Box, chunk_index_of, chunk_key
-from ckpt.storage._base import (
-    READ_PIECE, ArraySpec, Storage, check_key, check_local_key, chunk_bytes, read_buffer, shared_pool,
-    size_mismatch, too_large,
-)
+from ckpt._geometry import Box, chunk_index_of, chunk_key
+from ckpt.storage._base import READ_PIECE, Storage, chunk_bytes, read_buffer, shared_pool, size_mismatch, too_large
+from ckpt._format import ArraySpec
+from ckpt.storage._confine import check_key, check_local_key
 
 # s3fs and gcsfs raise OSError subclasses without an errno (PermissionError("Forbidden")): the
 # subclass says which, and OSError(code, ...) turns the code back into that subclass.

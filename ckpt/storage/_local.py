@@ -35,14 +35,26 @@ from typing import Any, Iterator
 import numpy as np
 
 from ckpt._errors import CheckpointError
-from ckpt._layout import Box, chunk_index_of, chunk_key
-from ckpt.storage._base import (
-    TEMP_MARK, ArraySpec, Staged, Usage, aligned_empty, check_key, file_kind, size_mismatch,
-)
+from ckpt._geometry import Box, chunk_index_of, chunk_key
+from ckpt._format import TEMP_MARK, ArraySpec
+from ckpt.storage._base import Staged, Usage, size_mismatch
+from ckpt._memory import aligned_empty
+from ckpt.storage._confine import check_key, file_kind
 from ckpt.storage._chunk_files import ChunkFileWriter, fsync_path
 from ckpt.storage._owners import (
-    _OWN_TEMP, OWNER_LIMIT_BYTES, OWNER_NAME, UNOWNED_GRACE_S, DirLock, Leftover, SaveLock, _boot_id, _lock_holder,
-    owner_bytes, owner_gone, owner_text, parse_owner,
+    _OWN_TEMP,
+    OWNER_LIMIT_BYTES,
+    OWNER_NAME,
+    UNOWNED_GRACE_S,
+    DirLock,
+    Leftover,
+    SaveLock,
+    _boot_id,
+    _lock_holder,
+    owner_bytes,
+    owner_gone,
+    owner_text,
+    parse_owner,
 )
 from ckpt.storage._tensorstore import TensorStoreStorage, shared_context
 

@@ -60,7 +60,7 @@ def location_text(location: Any) -> str:
     return f"{scheme}://{rest.rstrip('/')}"
 
 
-def _scheme(text: str) -> str:
+def scheme_of(text: str) -> str:
     return text.split("://", 1)[0] if "://" in text else "file"
 
 
@@ -78,7 +78,7 @@ def _unsupported(text: str) -> CheckpointError:
 
 
 def default_engine(text: str) -> str:
-    scheme = _scheme(text)
+    scheme = scheme_of(text)
     if scheme == "file":
         return "local"
     if scheme in TENSORSTORE_SCHEMES:
@@ -118,9 +118,9 @@ def _use_gcs_emulator_in_tensorstore() -> bool:
     return True
 
 
-def _tensorstore_spec(text: str, storage_options: dict) -> tuple[dict, str]:
+def tensorstore_spec(text: str, storage_options: dict) -> tuple[dict, str]:
     """(kvstore spec, context kind) for a location the tensorstore engine serves."""
-    scheme = _scheme(text)
+    scheme = scheme_of(text)
     if scheme == "file":
         return {"driver": "file", "path": text.rstrip("/") + "/", **storage_options}, "file"
     rest = text.split("://", 1)[1]
@@ -176,7 +176,7 @@ def open_storage(location: Any, options: Options) -> Storage:
     storage_options = dict(options.storage_options or {})
     concurrency = options.io_concurrency
     if engine == "local":
-        if _scheme(text) != "file":
+        if scheme_of(text) != "file":
             raise CheckpointError(f"the local engine serves local paths and file:// URLs, not {text!r}")
         from ckpt.storage._local import LocalStorage
 
@@ -184,14 +184,14 @@ def open_storage(location: Any, options: Options) -> Storage:
     if engine == "tensorstore":
         from ckpt.storage._tensorstore import TensorStoreStorage, shared_context
 
-        spec, kind = _tensorstore_spec(text, storage_options)
+        spec, kind = tensorstore_spec(text, storage_options)
         # fake-gcs-server and other emulators ignore ifGenerationMatch on the simple uploads
         # TensorStore sends: write-if-absent is not atomic there (real GCS honours it).
         atomic = not (kind == "gcs" and gcs_emulator() is not None)
         return TensorStoreStorage(spec, text, shared_context(kind, concurrency), conditional_writes=atomic)
     import fsspec
 
-    scheme = _scheme(text)
+    scheme = scheme_of(text)
     if scheme not in _fsspec_protocols():
         raise _unsupported(text)
     url = text if "://" in text else "file://" + text

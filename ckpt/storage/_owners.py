@@ -19,12 +19,12 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ckpt._errors import CheckpointError
 
-if TYPE_CHECKING:
-    from ckpt.storage._base import Storage
+# The ``Storage`` these records live in (typed Any: _base builds on this module, not the reverse).
+Storage = Any
 
 # Names of the temporary directories the library itself creates (staged saves, old checkpoints
 # being deleted or moved aside): only these are ever removed as leftovers.

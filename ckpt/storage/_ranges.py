@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from ckpt._errors import CheckpointError
-from ckpt.storage._base import Storage, aligned_empty
+from ckpt.storage._base import Storage
+from ckpt._memory import aligned_empty
 
 # The largest object read whole by the fallback (a safetensors shard is a few GB at most).
 WHOLE_READ_LIMIT = 1 << 40

@@ -15,11 +15,10 @@ import numpy as np
 import tensorstore as ts
 
 from ckpt._errors import CheckpointError
-from ckpt._layout import Box, box_to_index, chunk_index_of, chunk_key
-from ckpt.storage._base import (
-    ArraySpec, Storage, check_key, check_local_key, read_buffer, size_mismatch, too_large,
-    zarr_metadata,
-)
+from ckpt._geometry import Box, box_to_index, chunk_index_of, chunk_key
+from ckpt._format import ArraySpec, zarr_metadata
+from ckpt.storage._base import Storage, read_buffer, size_mismatch, too_large
+from ckpt.storage._confine import check_key, check_local_key
 
 # TensorStore reports failures as ValueError("<absl status code>: <message>").
 _STATUS = re.compile(r"^([A-Z_]+):")

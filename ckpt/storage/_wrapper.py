@@ -16,8 +16,10 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from ckpt._layout import Box
-from ckpt.storage._base import ArraySpec, Leftover, SaveLock, Staged, Storage
+from ckpt._geometry import Box
+from ckpt._format import ArraySpec
+from ckpt.storage._owners import Leftover, SaveLock
+from ckpt.storage._base import Staged, Storage
 
 
 class WrapperStorage(Storage):

@@ -31,7 +31,7 @@ from typing import Any
 import msgpack
 
 try:
-    from ckpt._manifest import seal
+    from ckpt._format.records import seal
 except ImportError:  # a jax-ckpt from before manifests carried a checksum (to measure it)
     def seal(doc: dict) -> bytes:
         return msgpack.packb(doc, use_bin_type=True)

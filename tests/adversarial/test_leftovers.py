@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ckpt
-from ckpt.cli import main as cli_main
+from ckpt.cli._main import main as cli_main
 from support import Location, plant_dead_save, snapshot
 
 
@@ -87,7 +87,7 @@ def test_object_store_generations_are_judged_by_their_owner_records(capsys):
     and a live one (a save of this process in progress): clean removes the first two only."""
     import uuid
 
-    from ckpt.storage._base import OWNER_NAME, LiveMark, owner_bytes
+    from ckpt.storage._owners import OWNER_NAME, LiveMark, owner_bytes
 
     loc = Location.make("memory", None)
     run = loc.storage("run")

@@ -49,7 +49,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import ckpt  # noqa: E402
-from ckpt.cli._main import COMMANDS, main as cli_main  # noqa: E402
+from ckpt.cli._main import COMMANDS, main as cli_main
 
 import hostile  # noqa: E402
 
@@ -355,7 +355,7 @@ class Runner:
 def manifest_flips(r: Runner) -> dict:
     """Every byte of the pristine manifest with one bit flipped (short: 3 of the 8 bits), through
     the decoder every read path uses: each must be refused (CheckpointError), never decode."""
-    from ckpt._manifest import Manifest
+    from ckpt._format.manifest import decode_manifest
 
     with open(os.path.join(r.pristine, "manifest.msgpack"), "rb") as f:
         data = f.read()
@@ -366,7 +366,7 @@ def manifest_flips(r: Runner) -> dict:
             flipped[i] ^= 1 << bit
             r.executions += 1
             try:
-                Manifest.decode(bytes(flipped), "manifest.msgpack")
+                decode_manifest(bytes(flipped), "manifest.msgpack")
             except ckpt.CheckpointError:
                 continue
             except BaseException as e:  # noqa: BLE001
@@ -455,7 +455,7 @@ def fuzz_mode(r: Runner, examples: int, seconds: float | None) -> dict:
     fuzz()
 
     # The decoder alone, on bytes: random ones, and the real manifest cut, spliced and flipped.
-    from ckpt._manifest import Manifest
+    from ckpt._format.manifest import decode_manifest
 
     with open(os.path.join(r.pristine, "manifest.msgpack"), "rb") as f:
         real = f.read()
@@ -469,7 +469,7 @@ def fuzz_mode(r: Runner, examples: int, seconds: float | None) -> dict:
         decoded["examples"] += 1
         r.executions += 1
         try:
-            Manifest.decode(data, "manifest.msgpack")
+            decode_manifest(data, "manifest.msgpack")
         except ckpt.CheckpointError:
             pass
         except BaseException as e:  # noqa: BLE001

@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None, *, parsed=None) -> int:
         add_memory_arguments(p)
         parsed = p.parse_args(argv)
         if parsed.child:
-            from ckpt._bench_memory_child import child_main
+            from bench.bench_memory_child import child_main
 
             return child_main(json.loads(parsed.child))
     only = tuple(s for s in (parsed.only or ",".join(SECTIONS)).split(",") if s)

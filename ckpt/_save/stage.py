@@ -18,11 +18,11 @@ from typing import Any, Iterator, Sequence
 import jax
 import numpy as np
 
-from ckpt import _dtypes
-from ckpt._host_memory import return_to_os as _return_to_os
-from ckpt._host_memory import unreferenced as _unreferenced
-from ckpt._layout import full_box, index_to_box, relative
-from ckpt._plan import HOST, PackedWrite, ShardWrite
+from ckpt._format import dtypes as _dtypes
+from ckpt._memory import return_to_os as _return_to_os
+from ckpt._memory import unreferenced as _unreferenced
+from ckpt._geometry import full_box, index_to_box, relative
+from ckpt._save.plan import HOST, PackedWrite, ShardWrite
 
 PAGE = 4096  # staging buffers are page aligned and sized, for direct (O_DIRECT) writes
 # A buffer a storage engine still references when its write is durable (TensorStore lets go of
@@ -42,7 +42,7 @@ def _pages(nbytes: int) -> int:
 
 
 def _allocate(nbytes: int) -> np.ndarray:
-    from ckpt.storage import aligned_empty
+    from ckpt._memory import aligned_empty
     return aligned_empty(nbytes, PAGE)
 
 

@@ -5,6 +5,8 @@ within the host memory budget, and the restored tree.
 from __future__ import annotations
 
 import dataclasses
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -12,79 +14,24 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from ckpt import _dtypes, _gc
-from ckpt._commit import read_manifest
+from ckpt._format import dtypes as _dtypes
+from ckpt._memory import gc_paused
+from ckpt._format import Manifest, read_manifest
 from ckpt._errors import CheckpointError
-from ckpt._layout import Box, ShardingInfo, mesh_fit_problem
-from ckpt._manifest import ARRAY_KINDS, PRNG_KEY, LeafRecord
+from ckpt._geometry import Box, ShardingInfo, mesh_fit_problem
+from ckpt._format import ARRAY_KINDS, PRNG_KEY, LeafRecord
 from ckpt._options import Options, resolve
-from ckpt._plan import plan_leaf_read
+from ckpt._restore.plan import plan_leaf_read
 
-# _Reader, RestoreStats and the _Want helpers are imported from here by other readers.
-from ckpt._read import RestoreStats, _key_data_sharding, _key_trailing, _Reader, _Want  # noqa: F401
-from ckpt._tree import display_path, leaf_components, match_target, unflatten
+# Reader, RestoreStats and the _Want helpers are imported from here by other readers.
+from ckpt._restore.read import RestoreStats, Reader
+from ckpt._restore.plan import ArrayMetadata, _want_for_mesh, _want_from_target, array_metadata, logical_shape  # noqa: F401
+from ckpt._restore.source import foreign_source, open_native
+from ckpt._format import display_path, leaf_components, match_target, unflatten
 from ckpt.storage import Storage, open_storage
-
-
-def logical_shape(rec: LeafRecord) -> tuple[int, ...]:
-    """Shape as the user sees it (for PRNG keys, without the key data's trailing dims)."""
-    if rec.kind == PRNG_KEY:
-        return rec.shape[: len(rec.shape) - _key_trailing(rec.prng_impl)]
-    return rec.shape
-
-
-def _want_from_target(i: int, rec: LeafRecord, t: Any) -> _Want | None:
-    if rec.kind not in ARRAY_KINDS:
-        return None
-    shape, name = logical_shape(rec), display_path(rec.path)
-    saved_dtype = _dtypes.dtype_from_name(rec.dtype)
-    if isinstance(t, jax.sharding.Sharding):
-        return _Want(i, _concrete(t, name), saved_dtype)
-    if isinstance(t, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
-        if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"leaf {name!r}: target shape {tuple(t.shape)} does not match saved shape {tuple(shape)}")
-        is_key = jax.dtypes.issubdtype(t.dtype, jax.dtypes.prng_key)
-        if is_key != (rec.kind == PRNG_KEY):
-            raise CheckpointError(f"leaf {name!r}: target dtype {t.dtype} but the checkpoint holds {rec.kind} {rec.dtype}")
-        dtype = saved_dtype if is_key else np.dtype(t.dtype)
-        if isinstance(t, np.ndarray):
-            return _Want(i, None, dtype)
-        sharding = t.sharding or SingleDeviceSharding(jax.local_devices()[0])
-        return _Want(i, _concrete(sharding, name), dtype)
-    return _Want(i, None, saved_dtype)  # any other target leaf: as saved, on the host
-
-
-def _concrete(sharding: jax.sharding.Sharding, name: str) -> jax.sharding.Sharding:
-    """A target sharding on an AbstractMesh (jax.eval_shape / nnx.eval_shape under
-    ``jax.set_mesh``) on the concrete mesh in context."""
-    if not (isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, jax.sharding.AbstractMesh)):
-        return sharding
-    mesh = jax.sharding.get_mesh()
-    if mesh.empty or mesh.abstract_mesh != sharding.mesh:
-        raise CheckpointError(f"leaf {name!r}: the target's sharding is on an abstract mesh; restore inside "
-                              "`with jax.set_mesh(mesh)` with that mesh, or give shardings on a concrete mesh")
-    return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
-
-
-def _want_for_mesh(i: int, rec: LeafRecord, mesh: jax.sharding.Mesh) -> _Want | None:
-    if rec.kind not in ARRAY_KINDS:
-        return None
-    dtype = _dtypes.dtype_from_name(rec.dtype)
-    if rec.kind not in ("jax.Array", PRNG_KEY):
-        return _Want(i, None, dtype)
-    info, name = ShardingInfo.from_record(rec.sharding), display_path(rec.path)
-    shape = logical_shape(rec)
-    if info.kind == "single_device":
-        spec = ()
-    elif info.kind == "named":
-        spec = info.spec
-    else:
-        raise CheckpointError(f"leaf {name!r} was saved with a sharding that has no PartitionSpec; pass a target")
-    names = tuple(mesh.axis_names)
-    why = mesh_fit_problem(shape, spec, names, tuple(mesh.shape[a] for a in names))
-    if why is not None:
-        raise CheckpointError(f"leaf {name!r}: {why}")
-    return _Want(i, NamedSharding(mesh, PartitionSpec(*spec)), dtype)
+from ckpt._restore.orbax_source import OrbaxArrays, is_orbax, open_layout  # noqa: F401 (the door)
+from ckpt._restore.plan import batch_by_budget  # noqa: F401 (the door)
+from ckpt._restore.safetensors_source import CODES, INDEX_NAME, META_KEY, SINGLE_NAME  # noqa: F401 (the door)
 
 
 def read_regions(path, leaf_path: str, boxes: list[Box], *, verify: bool = True, options: Options | None = None
@@ -109,7 +56,7 @@ def _read_regions_pinned(storage: Storage, leaf_path: str, boxes: list[Box], *, 
     if rec.kind not in ARRAY_KINDS:
         raise CheckpointError(f"leaf {leaf_path!r} is not an array")
     stats = RestoreStats()
-    reader = _Reader(storage, manifest.leaves, verify, stats, opts)
+    reader = Reader(storage, manifest.leaves, verify, stats, opts)
     plan = plan_leaf_read(i, rec.shape, rec.chunk_shape, _dtypes.dtype_from_name(rec.dtype).itemsize, boxes)
     logical = _dtypes.dtype_from_name(rec.dtype)
     regions = reader.read([plan])[i]
@@ -125,21 +72,21 @@ def with_budget(options: Options | None, host_budget_bytes: int | str | None) ->
     return dataclasses.replace(options or Options(), host_budget_bytes=host_budget_bytes)
 
 
-@_gc.paused()
+@gc_paused()
 def restore_with_stats(path, target=None, *, mesh=None, partial=False, verify=True,
                        options: Options | None = None, host_budget_bytes: int | str | None = None
                        ) -> tuple[Any, RestoreStats]:
+    """``restore`` of a jax-ckpt checkpoint, with what the reader did (bytes, requests, budget)."""
     opts = resolve(with_budget(options, host_budget_bytes))
-    # Pinned: the manifest and every chunk come from the checkpoint that was at `path` when it
-    # was opened, even if an overwrite replaces it meanwhile (Storage.pin): never a mix of two.
-    with open_storage(path, opts).pin() as pinned:
-        return _restore_pinned(pinned, target, mesh=mesh, partial=partial, verify=verify, options=opts)
+    with open_native(path, opts) as (storage, manifest):
+        if manifest is None:
+            manifest = read_manifest(storage)  # raises: says why there is no checkpoint here
+        return _restore_native(storage, manifest, target, mesh=mesh, partial=partial, verify=verify, options=opts)
 
 
-def _restore_pinned(storage: Storage, target=None, *, mesh=None, partial=False, verify=True,
+def _restore_native(storage: Storage, manifest: Manifest, target=None, *, mesh=None, partial=False, verify=True,
                     options: Options | None = None) -> tuple[Any, RestoreStats]:
     opts = resolve(options)
-    manifest = read_manifest(storage)
     if target is not None and mesh is not None:
         raise ValueError("pass either target or mesh, not both")
     leaves = manifest.leaves
@@ -152,7 +99,7 @@ def _restore_pinned(storage: Storage, target=None, *, mesh=None, partial=False, 
         treedef, pairs = match_target(target, paths, partial=partial)
         wants = [_want_from_target(i, leaves[i], t) for i, t in pairs]
     stats = RestoreStats()
-    reader = _Reader(storage, leaves, verify, stats, opts)
+    reader = Reader(storage, leaves, verify, stats, opts)
     built = reader.run([w for w in wants if w is not None])
     stats.host_high_water = reader.budget.high_water
     values = [built[i] if i in built else leaves[i].py_value() for i, _ in pairs]
@@ -222,17 +169,41 @@ def restore(path, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
         TypeError: `options` is not a ``ckpt.Options``.
         OSError: the storage failed (``PermissionError``, ``EIO``...), naming the object.
     """
-    from ckpt import (
-        _safetensors,  # safetensors files and directories, read as checkpoints
-    )
-
     options = with_budget(options, host_budget_bytes)
-    if _safetensors.is_safetensors(path, options):
-        return _safetensors.restore(path, target, mesh=mesh, partial=partial, options=options)
-    from ckpt import (
-        _orbax_read,  # Orbax checkpoints, read through TensorStore (docs/migrating-from-orbax.md)
-    )
+    opts = resolve(options)
+    with open_native(path, opts) as (storage, manifest):
+        if manifest is not None:
+            return _restore_native(storage, manifest, target, mesh=mesh, partial=partial, verify=verify, options=opts)[0]
+    source = foreign_source(path, options, opts)
+    if source is not None:
+        return source.restore(path, target, mesh=mesh, partial=partial, options=options)
+    return restore_with_stats(path, target, mesh=mesh, partial=partial, verify=verify, options=opts)[0]
 
-    if _orbax_read.is_orbax(path, options):
-        return _orbax_read.restore(path, target, mesh=mesh, partial=partial, options=options)
-    return restore_with_stats(path, target, mesh=mesh, partial=partial, verify=verify, options=options)[0]
+
+def metadata(path, *, options: Options | None = None) -> Any:
+    """What a checkpoint holds, from its manifest alone: no array data is read, no device needed.
+
+    Args:
+        path (str | os.PathLike): a checkpoint location, as for ``restore`` (safetensors
+            files, index files and directories of shards included: their headers are read).
+        options: engine and concurrency settings (``ckpt.Options``).
+
+    Returns:
+        The saved tree (dicts, lists and tuples) with an ``ArrayMetadata`` for every array and
+        the values of small non-array leaves (numbers, strings).
+
+    Raises:
+        FileNotFoundError: nothing exists at `path`.
+        CheckpointError: `path` is not a committed checkpoint, or its manifest is damaged or
+            of a newer format version.
+        OSError: the storage failed, naming the object.
+    """
+    opts = resolve(options)
+    with open_native(path, opts) as (_, manifest):
+        if manifest is None:
+            source = foreign_source(path, options, opts)
+            if source is not None:
+                return source.metadata(path, options)
+            manifest = read_manifest(open_storage(path, opts))
+    values = [array_metadata(r) if r.kind in ARRAY_KINDS else r.py_value() for r in manifest.leaves]
+    return unflatten(manifest.tree, values)

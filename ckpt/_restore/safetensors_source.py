@@ -8,13 +8,14 @@ untrusted input: the header is parsed here (no pickle, no third-party parser) an
 anything else is read: its length, UTF-8 JSON without duplicate keys, a dtype allow-list, sizes
 that match shapes, offsets inside the file that cover the data exactly once.
 
-A restore reads through restore's own reader (``ckpt._restore._Reader``): each tensor is given a
+A restore reads through restore's own reader (``ckpt._restore.Reader``): each tensor is given a
 chunk grid cut at the boundaries of the regions this process's devices need (so a process reads
 only its part) and a chunk is read as the byte ranges of its rows (``storage._ranges``).
 """
 
 from __future__ import annotations
 
+import types
 import json
 import math
 import os
@@ -25,15 +26,17 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from ckpt import _dtypes
+from ckpt._format import dtypes as _dtypes
 from ckpt._errors import CheckpointError
-from ckpt._layout import Box, box_shape, chunk_box, chunk_grid, index_to_box
-from ckpt._manifest import InlineStorage, LeafRecord, ZarrStorage
-from ckpt._manifest_check import _check_sharding
+from ckpt._geometry import Box, box_shape, chunk_box, chunk_grid, index_to_box
+from ckpt._format import InlineStorage, LeafRecord, ZarrStorage
+from ckpt._format import check_sharding
 from ckpt._options import Options, resolve
-from ckpt._tree import DICT, LEAF, leaf_components, match_target, unflatten
-from ckpt.storage import MANIFEST_NAME, aligned_empty, location_text, open_storage
-from ckpt.storage._ranges import RangeReader
+from ckpt._format import DICT, LEAF, leaf_components, match_target, unflatten
+from ckpt._format import MANIFEST_NAME
+from ckpt._memory import aligned_empty
+from ckpt.storage import location_text, open_storage
+from ckpt.storage import RangeReader
 
 # safetensors dtype codes and the numpy/ml_dtypes names they are (byte-sized types only: the
 # packed 4- and 6-bit types F4, F6_E2M3, F6_E3M2 are refused).
@@ -153,7 +156,7 @@ def _shardings(meta: dict, tensors: list[Tensor], where: str) -> dict[str, dict]
         for name, rec in records.items():
             if name not in by_name:
                 raise ValueError(f"names tensor {name!r}, which the file does not hold")
-            _check_sharding(rec, len(by_name[name].shape))
+            check_sharding(rec, len(by_name[name].shape))
             if rec is not None and rec.get("kind") != "named":
                 raise ValueError(f"tensor {name!r}: only named shardings are recorded")
     except Exception as e:  # whatever the manifest's own check raises, it is this file's fault
@@ -390,7 +393,8 @@ def restore_with_stats(location: Any, target: Any = None, *, mesh: jax.sharding.
                        partial: bool = False, options: Options | None = None):
     """``ckpt.restore`` of safetensors (see ``restore``); also returns the RestoreStats and the
     RangeReader's byte count."""
-    from ckpt._restore import RestoreStats, _Reader, _want_for_mesh, _want_from_target
+    from ckpt._restore.read import RestoreStats, Reader
+    from ckpt._restore.plan import _want_for_mesh, _want_from_target
 
     if target is not None and mesh is not None:
         raise ValueError("pass either target or mesh, not both")
@@ -416,7 +420,7 @@ def restore_with_stats(location: Any, target: Any = None, *, mesh: jax.sharding.
                 rec.storage = replace(rec.zarr, chunk_shape=chunks,
                                       chunk_checksums=(0,) * math.prod(chunk_grid(rec.shape, chunks)))
         stats = RestoreStats()
-        built = _Reader(_ChunkSource(tset, leaves), leaves, False, stats, opts).run(wants)
+        built = Reader(_ChunkSource(tset, leaves), leaves, False, stats, opts).run(wants)
     finally:
         tset.reader.close()
     values = [built[i] for i, _ in pairs]
@@ -434,8 +438,8 @@ def restore(location: Any, target: Any = None, *, mesh: jax.sharding.Mesh | None
 
 def metadata(location: Any, options: Options | None = None) -> Any:
     """The tree of ArrayMetadata of safetensors, from the headers alone."""
-    from ckpt._metadata import ArrayMetadata
-    from ckpt._layout import ShardingInfo
+    from ckpt._restore.plan import ArrayMetadata
+    from ckpt._geometry import ShardingInfo
     from jax.sharding import PartitionSpec
 
     tset = open_tensors(location, options)
@@ -451,3 +455,7 @@ def metadata(location: Any, options: Options | None = None) -> Any:
             kind="jax.Array" if named else "numpy.ndarray", storage_path=t.file,
         ))
     return unflatten(tree_of([t.name for t in tset.tensors], tset.where), values)
+
+
+# This format as a source of ckpt.restore and ckpt.metadata (``ckpt._restore.source``).
+SOURCE = types.SimpleNamespace(detect=is_safetensors, restore=restore, metadata=metadata)

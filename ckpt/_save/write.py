@@ -9,15 +9,16 @@ from collections import deque
 
 import numpy as np
 
-from ckpt import _dtypes
-from ckpt._checksum import chunk_checksum
-from ckpt._describe import Leaf
+from ckpt._format import dtypes as _dtypes
+from ckpt._format import chunk_checksum
+from ckpt._save.plan import Leaf
 from ckpt._errors import CheckpointError
-from ckpt._layout import chunk_grid, chunk_index_of, flat_chunk_index
-from ckpt._manifest import Stack
-from ckpt._plan import PackedWrite
-from ckpt._staging import SaveBudget
-from ckpt.storage import ArraySpec, Storage
+from ckpt._geometry import chunk_grid, chunk_index_of, flat_chunk_index
+from ckpt._format import Stack
+from ckpt._save.plan import PackedWrite
+from ckpt._save.stage import SaveBudget
+from ckpt._format import ArraySpec
+from ckpt.storage import Storage
 
 # Bytes handed to storage and not yet durable, per process, while the caller is still making its
 # host copies of a save that fits its budget: enough to keep the disk busy, little enough not to

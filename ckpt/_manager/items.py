@@ -17,13 +17,13 @@ import jax
 import jax.tree_util as jtu
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ckpt._commit import read_manifest
+from ckpt._format import read_manifest
 from ckpt._errors import CheckpointError
-from ckpt._layout import ShardingInfo
-from ckpt._manifest import PRNG_KEY
-from ckpt._orbax_steps import kind_of
+from ckpt._geometry import ShardingInfo
+from ckpt._format import PRNG_KEY
+from ckpt._orbax import kind_of
 from ckpt._restore import restore as _restore
-from ckpt._tree import child_names, join_path, leaf_components, match_target, unflatten
+from ckpt._format import child_names, join_path, leaf_components, match_target, unflatten
 from ckpt.storage import Storage
 
 

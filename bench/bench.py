@@ -366,10 +366,10 @@ def _object_kvstore(url: str, concurrency: int):
     endpoint, credentials, retries and request concurrency): the raw baseline's client."""
     import tensorstore as ts
 
-    from ckpt.storage._location import _tensorstore_spec
+    from ckpt.storage._location import tensorstore_spec
     from ckpt.storage._tensorstore import shared_context
 
-    spec, kind = _tensorstore_spec(url, {})
+    spec, kind = tensorstore_spec(url, {})
     return ts.KvStore.open(spec, context=shared_context(kind, concurrency)).result()
 
 
@@ -411,7 +411,7 @@ def run_objectstore(url: str, gib: float, runs: int, concurrency: int | None, re
     from jax.sharding import NamedSharding
 
     import ckpt
-    from ckpt.storage import open_storage
+    from ckpt.storage._location import open_storage
 
     options = ckpt.Options(io_concurrency=concurrency).resolved()
     width = options.io_concurrency

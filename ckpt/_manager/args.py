@@ -10,7 +10,7 @@ from typing import Any
 import msgpack
 
 from ckpt._errors import CheckpointError
-from ckpt._retention import BEST_MODES, METRICS_KEY
+from ckpt._manager.retention import BEST_MODES, METRICS_KEY
 
 # Metadata travels inside the manifest, which every restore reads whole.
 METADATA_LIMIT_BYTES = 1 << 20

@@ -16,19 +16,22 @@ import crc32c
 import msgpack
 import numpy as np
 
-from ckpt import _gc
-from ckpt._commit import Coordinator, commit_checkpoint, current_coordinator
-from ckpt._describe import Leaf, array_shards, describe, finish_array_records, pack_records
+from ckpt._memory import gc_paused
+from ckpt._save.commit import Coordinator, commit_checkpoint, current_coordinator
+from ckpt._save.plan import Leaf, array_shards, describe, finish_array_records, pack_records
 from ckpt._errors import CheckpointError
-from ckpt._layout import chunk_grid, chunk_key
-from ckpt._manifest import STACKS_VERSION, LeafRecord, Manifest, Stack, StackedStorage
+from ckpt._geometry import chunk_grid, chunk_key
+from ckpt._format import STACKS_VERSION, LeafRecord, Manifest, Stack, StackedStorage
 from ckpt._options import Options, resolve, save_chunk_cap
-from ckpt._plan import STACK_CHUNK_BYTES, SavePlan, plan_save
-from ckpt._staging import SaveBudget, StagingAborted, stage
-from ckpt._tree import flatten, storage_paths
-from ckpt._write import END, _write_chunks, array_specs
-from ckpt.storage import ArraySpec, Staged, Storage, open_storage
-from ckpt.storage._base import GROUP_METADATA, NotDurableError, array_metadata_bytes
+from ckpt._save.plan import STACK_CHUNK_BYTES, SavePlan, plan_save
+from ckpt._save.stage import SaveBudget, StagingAborted, stage
+from ckpt._format import flatten, storage_paths
+from ckpt._save.write import END, _write_chunks, array_specs
+from ckpt._format import ArraySpec
+from ckpt.storage import Staged, Storage, open_storage
+from ckpt._format import GROUP_METADATA, array_metadata_bytes
+from ckpt.storage import NotDurableError
+from ckpt._save.stage import release_host_memory  # noqa: F401 (the door)
 
 class SaveHandle:
     """A save in progress, as ``save_async`` returns it (not constructed directly).
@@ -174,7 +177,7 @@ def _save_options(options: Options | None, host_budget_bytes, max_chunk_bytes) -
     return resolve(opts)
 
 
-@_gc.paused()
+@gc_paused()
 def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict | None = None,
                options: Options | None = None, host_budget_bytes: int | str | None = None,
                max_chunk_bytes: int | None = None) -> SaveHandle:
@@ -363,7 +366,7 @@ class _SaveJob:
             raise NotDurableError(outcome["not_durable"])
 
     def _commit(self, statuses: list[dict]) -> None:
-        from ckpt import __version__
+        from ckpt._version import __version__
 
         collected: dict[int, dict[int, int]] = {}
         for s in statuses:

@@ -9,12 +9,13 @@ import threading
 import warnings
 from typing import Iterator
 
-from ckpt._commit import read_manifest
+from ckpt._format import read_manifest
 from ckpt._errors import CheckpointError
-from ckpt._orbax_steps import STEP_METADATA, step_record
-from ckpt._retention import METRICS_KEY, StepFacts
-from ckpt._steps import ManagedStep, StepNaming, committed_steps, scan_named_steps
-from ckpt.storage import MANIFEST_NAME, Storage, is_temp_name
+from ckpt._orbax import STEP_METADATA, step_record
+from ckpt._manager.retention import METRICS_KEY, StepFacts
+from ckpt._manager.naming import ManagedStep, StepNaming, committed_steps, scan_named_steps
+from ckpt._format import MANIFEST_NAME, is_temp_name
+from ckpt.storage import Storage
 
 
 class StepDirectory:

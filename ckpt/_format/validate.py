@@ -14,14 +14,25 @@ import math
 import re
 from typing import Any
 
-from ckpt import _dtypes
+from ckpt._format import dtypes as _dtypes
 from ckpt._errors import CheckpointError
-from ckpt._layout import chunk_grid
-from ckpt._manifest import (
-    ARRAY_KINDS, FORMAT_NAME, FORMAT_VERSION, JAX_ARRAY, NUMPY_SCALAR, PRNG_KEY, STACKS_VERSION, InlineStorage, LeafRecord,
-    Manifest, Stack, StackedStorage, ZarrStorage,
+from ckpt._geometry import chunk_grid
+from ckpt._format.records import (
+    ARRAY_KINDS,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    JAX_ARRAY,
+    NUMPY_SCALAR,
+    PRNG_KEY,
+    STACKS_VERSION,
+    InlineStorage,
+    LeafRecord,
+    Manifest,
+    Stack,
+    StackedStorage,
+    ZarrStorage,
 )
-from ckpt._tree import CUSTOM, DICT, LEAF, LIST, MAX_TREE_DEPTH, NONE, TUPLE, display_path
+from ckpt._format.tree import CUSTOM, DICT, LEAF, LIST, MAX_TREE_DEPTH, NONE, TUPLE, display_path
 
 VALUE_KINDS = ("int", "float", "bool", "complex", "str", "bytes")
 
@@ -166,7 +177,7 @@ def _check_value(kind: str, value: Any) -> Any:
     return value
 
 
-def _check_sharding(sharding: Any, ndim: int) -> dict | None:
+def check_sharding(sharding: Any, ndim: int) -> dict | None:
     if sharding is None:
         return None
     if not isinstance(sharding, dict) or sharding.get("kind") not in ("named", "single_device", "other"):
@@ -299,7 +310,7 @@ def _check_leaf(rec: Any, tree_path: str, stacks: list[Stack] = ()) -> LeafRecor
         impl = None
     if kind == NUMPY_SCALAR and shape != ():
         raise _Bad(f"a numpy.scalar has shape {list(shape)}, not []")
-    sharding = _check_sharding(rec.get("sharding"), logical_ndim)
+    sharding = check_sharding(rec.get("sharding"), logical_ndim)
     if sharding is None and kind in (JAX_ARRAY, PRNG_KEY):
         raise _Bad(f"a {kind} leaf has no sharding")
     storage = _check_storage(rec.get("storage"), shape, dtype, stacks)
@@ -392,6 +403,3 @@ def manifest_from_doc(doc: Any, where: str) -> Manifest:
                     stacks=stacks)
 
 
-def check_manifest(manifest: Manifest, where: str) -> Manifest:
-    """The manifest as a reader would get it back from its encoding (validated and typed)."""
-    return Manifest.decode(manifest.encode(), where)

@@ -13,6 +13,7 @@ stored is refused as incomplete instead of being read.
 
 from __future__ import annotations
 
+import types
 import dataclasses
 import os
 import threading
@@ -23,17 +24,24 @@ import jax.tree_util as jtu
 import numpy as np
 import tensorstore as ts
 
-from ckpt import _dtypes
+from ckpt._format import dtypes as _dtypes
 from ckpt._errors import CheckpointError
-from ckpt._layout import Box, box_shape, box_to_index, chunk_grid, full_box, index_to_box
-from ckpt._manifest import ARRAY_KINDS, NUMPY_SCALAR, PRNG_KEY, PY_STR
-from ckpt._metadata import array_metadata
+from ckpt._geometry import Box, box_shape, box_to_index, chunk_grid, full_box, index_to_box
+from ckpt._format import ARRAY_KINDS, NUMPY_SCALAR, PRNG_KEY, PY_STR
+from ckpt._restore.plan import array_metadata
 from ckpt._options import Options, resolve
 from ckpt._orbax import Item, Layout, OrbaxLeaf, read_layout
-from ckpt._orbax_steps import kind_of
-from ckpt._plan import batch_by_budget
-from ckpt._restore import _key_data_sharding, _key_trailing, _Want, _want_for_mesh, _want_from_target, logical_shape
-from ckpt._tree import display_path, match_target, unflatten
+from ckpt._orbax import kind_of
+from ckpt._restore.plan import batch_by_budget
+from ckpt._restore.plan import (
+    _key_data_sharding,
+    _key_trailing,
+    _Want,
+    _want_for_mesh,
+    _want_from_target,
+    logical_shape,
+)
+from ckpt._format import display_path, match_target, unflatten
 from ckpt.storage import location_text, open_storage
 
 _METADATA_KEYS = (".zarray", ".zattrs", ".zgroup", "zarr.json")
@@ -61,19 +69,19 @@ def is_orbax(path: Any, options: Options | None = None) -> bool:
 
 
 def _base_kvstore(url: str, options: Options) -> dict:
-    from ckpt.storage._location import _scheme, _tensorstore_spec
+    from ckpt.storage import scheme_of, tensorstore_spec
 
     text = location_text(url)
-    extra = {} if _scheme(text) == "file" else dict(options.storage_options or {})
+    extra = {} if scheme_of(text) == "file" else dict(options.storage_options or {})
     try:
-        spec, _ = _tensorstore_spec(text, extra)
+        spec, _ = tensorstore_spec(text, extra)
     except CheckpointError:
         raise CheckpointError(f"{url}: Orbax checkpoints are read through TensorStore, from local paths, "
                               "file://, gs:// or s3:// locations") from None
     return spec
 
 
-class _Arrays:
+class OrbaxArrays:
     """The TensorStores of an Orbax checkpoint's arrays, opened on demand."""
 
     def __init__(self, layout: Layout, options: Options):
@@ -249,7 +257,7 @@ def _boxes(rec, want: _Want) -> list[Box]:
                               for idx in sharding.addressable_devices_indices_map(rec.shape).values()))
 
 
-def _build(arrays: _Arrays, wants: list[_Want]) -> dict[int, Any]:
+def _build(arrays: OrbaxArrays, wants: list[_Want]) -> dict[int, Any]:
     leaves = arrays.layout.leaves
     boxes = [_boxes(leaves[w.index].record, w) for w in wants]
     sizes = [sum(_nbytes(box_shape(b), _dtypes.dtype_from_name(leaves[w.index].record.dtype)) for b in bs)
@@ -280,7 +288,7 @@ def restore(path: Any, target: Any = None, *, mesh: jax.sharding.Mesh | None = N
         raise ValueError("pass either target or mesh, not both")
     opts = resolve(options)
     layout = open_layout(path, opts)
-    arrays = _Arrays(layout, opts)
+    arrays = OrbaxArrays(layout, opts)
     recs = [l.record for l in layout.leaves]
     if target is None:
         pairs = [(i, None) for i in range(len(recs))]
@@ -303,7 +311,7 @@ def metadata(path: Any, options: Options | None = None) -> Any:
     """``ckpt.metadata`` of an Orbax checkpoint: opens each array's metadata, reads no data."""
     opts = resolve(options)
     layout = open_layout(path, opts)
-    arrays = _Arrays(layout, opts)
+    arrays = OrbaxArrays(layout, opts)
     arrays.open(range(len(layout.leaves)))
     values = []
     for leaf in layout.leaves:
@@ -314,3 +322,7 @@ def metadata(path: Any, options: Options | None = None) -> Any:
         else:
             values.append(rec.py_value())
     return unflatten(layout.tree, values)
+
+
+# This format as a source of ckpt.restore and ckpt.metadata (``ckpt._restore.source``).
+SOURCE = types.SimpleNamespace(detect=is_orbax, restore=restore, metadata=metadata)

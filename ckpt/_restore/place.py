@@ -22,20 +22,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import SingleDeviceSharding
 
-from ckpt._errors import CheckpointError
-from ckpt._layout import (
-    Box,
-    box_shape,
-    full_box,
-    index_to_box,
-    normalize_spec,
-    relative,
-)
-from ckpt._manifest import NUMPY_SCALAR, PRNG_KEY, LeafRecord
-from ckpt._tree import display_path
-from ckpt.storage import aligned_empty
+from ckpt._geometry import Box, box_shape, full_box, index_to_box, relative
+from ckpt._format import NUMPY_SCALAR, PRNG_KEY, LeafRecord
+from ckpt._memory import aligned_empty
+from ckpt._restore.plan import _key_data_sharding, _Want
 
 
 class HostBudget:
@@ -77,30 +69,6 @@ class _Lease:
         with self._lock:
             n, self.taken = self.taken, 0
         self.budget.give(n)
-
-
-@dataclass
-class _Want:
-    """What to build for one saved array leaf."""
-
-    index: int
-    sharding: jax.sharding.Sharding | None  # None: a numpy array on the host
-    dtype: np.dtype  # logical dtype to return (of the key data for PRNG keys)
-
-
-def _key_trailing(impl: str) -> int:
-    return len(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
-
-
-def _key_data_sharding(sharding, rec: LeafRecord):
-    trailing = _key_trailing(rec.prng_impl)
-    if isinstance(sharding, NamedSharding):
-        spec = normalize_spec(sharding.spec, len(rec.shape) - trailing)
-        return NamedSharding(sharding.mesh, PartitionSpec(*spec, *([None] * trailing)),
-                             memory_kind=sharding.memory_kind)
-    if isinstance(sharding, SingleDeviceSharding):
-        return sharding
-    raise CheckpointError(f"leaf {display_path(rec.path)!r}: PRNG keys restore onto NamedSharding or a single device")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import msgpack
 import numpy as np
 
 from ckpt._errors import CheckpointError
+from ckpt._format import dtypes as _dtypes
 
 FORMAT_NAME = "jax-ckpt"
 FORMAT_VERSION = 2
@@ -161,7 +162,6 @@ class LeafRecord:
 
     def inline_array(self) -> np.ndarray:
         """The value of an inline array record, in its logical dtype."""
-        from ckpt import _dtypes
 
         logical = _dtypes.dtype_from_name(self.dtype)
         storage_dtype, _ = _dtypes.storage_of(logical)
@@ -206,22 +206,6 @@ class Manifest:
             doc[ZARR_JSON_KEY] = dict(self.zarr_json)
         return seal(doc)
 
-    @classmethod
-    def decode(cls, data: bytes, where: str) -> "Manifest":
-        """The validated manifest in `data` (the bytes of `where`, a manifest file); raises
-        CheckpointError naming the file when it is damaged or breaks the format."""
-        from ckpt._manifest_check import manifest_from_doc
-
-        try:
-            doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        except Exception as e:  # any malformed input: msgpack raises several kinds
-            raise CheckpointError(f"{where}: manifest is corrupted ({type(e).__name__}: {e})") from None
-        # Format and version first: a newer version may protect itself differently.
-        if isinstance(doc, dict) and doc.get("format") == FORMAT_NAME and isinstance(doc.get("format_version"), int) \
-                and not isinstance(doc.get("format_version"), bool) and 1 <= doc["format_version"] <= FORMAT_VERSION:
-            check_seal(data, doc, where)
-        return manifest_from_doc(doc, where)
-
 
 def seal(doc: dict) -> bytes:
     """The manifest map `doc` packed, with its checksum as the last entry (SPEC section 8)."""
@@ -251,3 +235,13 @@ def check_seal(data: bytes, doc: dict, where: str) -> None:
             f"{where}: manifest is corrupted: its CRC-32C is {actual:#010x}, but it records "
             f"{int.from_bytes(recorded, 'big'):#010x} (the file was damaged after it was written)"
         )
+
+
+TEMP_MARK = ".tmp-"
+
+
+GENERATION_MARK = "gen-"  # generation prefixes of no-rename backends: gen-<12 hex digits>
+
+
+def is_temp_name(name: str) -> bool:
+    return TEMP_MARK in name

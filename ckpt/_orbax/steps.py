@@ -9,7 +9,8 @@ import re
 from dataclasses import dataclass
 
 from ckpt._errors import CheckpointError
-from ckpt.storage import MANIFEST_NAME, Storage
+from ckpt._format import MANIFEST_NAME
+from ckpt.storage import Storage
 
 PYTREE_METADATA = "_METADATA"  # a PyTree item
 STEP_METADATA = "_CHECKPOINT_METADATA"  # a CheckpointManager step (also beside a bare item)

@@ -28,7 +28,7 @@ def _status_kib(field: str) -> int:
 
 
 def _quiesce(prefault_bytes: int) -> None:
-    from ckpt.bench import _prefault
+    from bench.bench import _prefault
 
     gc.collect()
     if prefault_bytes:
@@ -118,7 +118,7 @@ def _tree(spec: dict):
     """The benchmark tree (ckpt.bench._make_tree, 4x2 mesh), or the tiny one when spec["tiny"]."""
     import jax
 
-    from ckpt.bench import _make_tree, _unique_shards
+    from bench.bench import _make_tree, _unique_shards
 
     mesh = jax.make_mesh((4, 2), ("x", "y"))
     tree = _tiny_tree(mesh) if spec.get("tiny") else _make_tree(spec["gib"], mesh)
@@ -128,7 +128,7 @@ def _tree(spec: dict):
 
 def _child_save(spec: dict) -> dict:
     import ckpt
-    from ckpt.bench import _evict, _raw_write
+    from bench.bench import _evict, _raw_write
 
     tree, shards, nbytes = _tree(spec)
     width = ckpt.Options().resolved().io_concurrency
@@ -170,7 +170,7 @@ def _child_raw_read(spec: dict) -> dict:
     import numpy as np
 
     import ckpt
-    from ckpt.bench import _evict, _raw_read
+    from bench.bench import _evict, _raw_read
 
     with open(os.path.join(spec["root"], "raw-shapes.json")) as f:
         shards = [(str(i), jax.ShapeDtypeStruct(tuple(s), np.dtype(d))) for i, (s, d) in enumerate(json.load(f))]
@@ -187,7 +187,7 @@ def _child_restore(spec: dict) -> dict:
     from jax.sharding import SingleDeviceSharding
 
     import ckpt
-    from ckpt.bench import _evict
+    from bench.bench import _evict
 
     ck_dir = os.path.join(spec["root"], spec.get("name", "ckpt"))
     kwargs, via = _budget_kwargs(ckpt.restore, spec["budget"])
@@ -217,7 +217,7 @@ def _child_first(spec: dict) -> dict:
     import numpy as np
 
     import ckpt
-    from ckpt.bench import _bare_copy, _files_and_bytes, _raw_write
+    from bench.bench import _bare_copy, _files_and_bytes, _raw_write
 
     tree, shards, nbytes = _tree(spec)
     system, path = spec["system"], os.path.join(spec["root"], f"first-{spec['system']}")
@@ -316,7 +316,7 @@ CHILDREN = {"save": _child_save, "raw_read": _child_raw_read, "restore": _child_
 
 def child_main(spec: dict) -> int:
     """Run the measurement `spec` names and print its result as one JSON line."""
-    from ckpt.bench import _setup_devices
+    from bench.bench import _setup_devices
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's view into a hung child
     _setup_devices(8)

@@ -18,16 +18,13 @@ Coordinator: a local one here, the jax.distributed key-value store in ckpt._dist
 
 from __future__ import annotations
 
-import errno
 from typing import Callable, Iterable, Protocol
 
 from ckpt._errors import CheckpointError
-from ckpt._manifest import Manifest
-from ckpt.storage import GENERATION_MARK, MANIFEST_NAME, TEMP_MARK, Staged, Storage, is_temp_name
+from ckpt._format import Manifest, read_manifest
+from ckpt._format import GENERATION_MARK, TEMP_MARK, is_temp_name
+from ckpt.storage import Staged, Storage
 
-# A manifest holds one record per leaf plus arrays of at most INLINE_LIMIT bytes; nothing a
-# real tree produces comes near this, and nothing larger is ever read.
-MANIFEST_LIMIT_BYTES = 1 << 30
 
 __all__ = ["TEMP_MARK", "is_temp_name"]
 
@@ -87,29 +84,6 @@ def current_coordinator() -> Coordinator:
     from ckpt._distributed import distributed_coordinator
 
     return distributed_coordinator()
-
-
-def read_manifest(storage: Storage) -> Manifest:
-    """The manifest of the committed checkpoint at `storage`, with the errors readers expect:
-    checked against its own checksum and validated (``_manifest_check``) before it is returned.
-    A ``.tmp-`` directory is refused whatever it holds (also when reached through a link)."""
-    if is_temp_name(storage.name) or is_temp_name(storage.resolved_name):
-        raise CheckpointError(
-            f"{storage.url} is not a committed checkpoint: it is the temporary directory of a save that never committed"
-        )
-    try:
-        data = storage.get(MANIFEST_NAME, max_bytes=MANIFEST_LIMIT_BYTES)
-    except NotADirectoryError:
-        raise CheckpointError(f"{storage.url} is not a checkpoint directory") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"{storage.where(MANIFEST_NAME)} is not a file") from None
-    except FileNotFoundError:
-        if not storage.exists_any():
-            raise FileNotFoundError(errno.ENOENT, "no checkpoint at this path", storage.url) from None
-        raise CheckpointError(
-            f"{storage.url} is not a committed checkpoint: it has no {MANIFEST_NAME}; a save may not have committed"
-        ) from None
-    return Manifest.decode(data, storage.where(MANIFEST_NAME))
 
 
 def _old_data(storage: Storage) -> Callable[[], Iterable[str]]:

@@ -25,23 +25,33 @@ from typing import Any
 import jax
 import numpy as np
 
-from ckpt import _dtypes
-from ckpt._checksum import chunk_checksum
+from ckpt._format import dtypes as _dtypes
+from ckpt._format import chunk_checksum
 from ckpt._errors import CheckpointError, ChecksumError
-from ckpt._host_memory import PAGE, ReadBuffers
-from ckpt._layout import (
-    Box, box_shape, box_size, chunk_box, chunk_grid, chunk_key, chunks_overlapping, flat_chunk_index, full_box,
-    index_to_box, intersect, relative,
+from ckpt._memory import PAGE, ReadBuffers
+from ckpt._geometry import (
+    Box,
+    box_shape,
+    box_size,
+    chunk_box,
+    chunk_grid,
+    chunk_key,
+    chunks_overlapping,
+    flat_chunk_index,
+    full_box,
+    index_to_box,
+    intersect,
+    relative,
 )
-from ckpt._manifest import PRNG_KEY, LeafRecord
+from ckpt._format import PRNG_KEY, LeafRecord
 from ckpt._options import Options
-from ckpt._place import (  # noqa: F401 (_key_* and _Want are imported from here and _restore)
-    HostBudget, _Build, _key_data_sharding, _key_trailing, _Lease, _Piece, _split, _Unit, _Want,
-)
-from ckpt._plan import LeafReadPlan, plan_leaf_read
-from ckpt._tree import display_path
-from ckpt.storage import Storage, aligned_empty
-from ckpt.storage._base import Done
+from ckpt._restore.place import HostBudget, _Build, _Lease, _Piece, _split, _Unit
+from ckpt._restore.plan import _key_data_sharding, _Want
+from ckpt._restore.plan import LeafReadPlan, plan_leaf_read
+from ckpt._format import display_path
+from ckpt.storage import Storage
+from ckpt._memory import aligned_empty
+from ckpt.storage import Done
 
 
 @dataclass
@@ -54,7 +64,7 @@ class RestoreStats:
     host_high_water: int = 0  # most bytes of chunks and regions the reader held at once
 
 
-class _Reader:
+class Reader:
     """Reads the chunks of planned regions through a Storage, verified, within a budget."""
 
     def __init__(self, storage: Storage, leaves: list[LeafRecord], verify: bool, stats: RestoreStats,
@@ -394,7 +404,7 @@ class _Sources:
     when first used, counted in the stats; a context that gives their bytes back to the budget
     when the batch is done."""
 
-    def __init__(self, reader: _Reader, batch: list[_Unit]):
+    def __init__(self, reader: Reader, batch: list[_Unit]):
         self.reader, self.batch = reader, batch
         self.lease = _Lease(reader.budget)
         self.done: dict[tuple, np.ndarray] = {}

@@ -36,20 +36,28 @@ from typing import Any, Callable
 
 import jax
 
-from ckpt import _preemption
-from ckpt._commit import read_manifest
+from ckpt._format import read_manifest
+from ckpt._manager import preemption as _preemption
 from ckpt._errors import CheckpointError
-from ckpt._items import restore_item
-from ckpt._manager_steps import StepDirectory
-from ckpt._manager_args import METADATA_LIMIT_BYTES, as_step, check_best, check_count, check_interval, snapshot_metadata
+from ckpt._manager.items import restore_item
+from ckpt._manager.steps import StepDirectory
+from ckpt._manager.args import (
+    METADATA_LIMIT_BYTES,
+    as_step,
+    check_best,
+    check_count,
+    check_interval,
+    snapshot_metadata,
+)
 from ckpt._options import Options, resolve
-from ckpt._orbax_steps import step_record
+from ckpt._orbax import step_record
 from ckpt._restore import restore as _restore
-from ckpt._retention import METRICS_KEY, best_step, check_metrics, score, steps_to_delete
+from ckpt._manager.retention import METRICS_KEY, best_step, check_metrics, score, steps_to_delete
 from ckpt._save import SaveHandle, start_save
-from ckpt._steps import StepNaming
+from ckpt._manager.naming import StepNaming
 from ckpt.storage import Storage, open_storage
-from ckpt.storage._base import NotDurableError, SaveLock
+from ckpt.storage import NotDurableError, SaveLock
+from ckpt._manager.naming import parse_step, scan_steps, step_dir_name  # noqa: F401 (the door)
 
 __all__ = ["CheckpointManager", "METADATA_LIMIT_BYTES", "steps_to_delete"]
 _as_step = as_step

@@ -10,7 +10,9 @@ allocator settings; it only returns memory it has just freed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
 import sys
 import threading
 from collections import Counter
@@ -92,7 +94,7 @@ class ReadBuffers:
         if buf is not None:
             self.budget.give(nbytes)
             return buf
-        from ckpt.storage import aligned_empty
+        from ckpt._memory import aligned_empty
 
         return aligned_empty(nbytes + PAGE, PAGE)
 
@@ -111,3 +113,30 @@ class ReadBuffers:
     def close(self) -> None:
         """Drop every free buffer (the restore is done)."""
         self.prepare([])
+
+
+# Cyclic garbage collection paused while a save or restore builds its per-leaf objects.
+# A tree of thousands of leaves makes tens of thousands of short-lived containers (records, plans,
+# boxes, futures), which trigger the collector's full collections; each walks every object of the
+# process, about 0.1 s in a process that has imported JAX, and a 4,000-leaf save or restore paid
+# one or two of them (docs/benchmarks.md, "Many small leaves"). Reference counting frees these
+# objects anyway; the collector runs again, as usual, once the call returns.
+@contextlib.contextmanager
+def gc_paused():
+    """Disable the cyclic collector for the block (or decorated call), if it was enabled."""
+    if not gc.isenabled():  # the caller turned it off: leave that alone
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def aligned_empty(nbytes: int, alignment: int = 64) -> np.ndarray:
+    """An uninitialised uint8 buffer whose data starts on an `alignment`-byte boundary
+    (XLA's CPU client adopts such host buffers without copying them)."""
+    raw = np.empty(nbytes + alignment, np.uint8)
+    offset = -raw.ctypes.data % alignment
+    return raw[offset : offset + nbytes]
