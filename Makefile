@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-adversarial-long docs bench bench-memory clean
+.PHONY: demo test test-adversarial-long docs bench bench-quick bench-memory clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,13 +36,20 @@ SITE_DIR ?= site
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir $(SITE_DIR)
 
+# The developer benchmarks (bench/, not installed) run from the repository root.
 bench: $(STAMP)
-	$(PY) -m ckpt.bench --gib 2
+	$(PY) -m bench --gib 2
+
+# The quick regression check (<= 4 minutes on the 2-core VM): every headline ratio at a small size
+# against bench/baseline.json; exit status 1 when one regressed (docs/benchmarks.md, "Quick
+# regression check"). Run it before resolving an issue that touches the data path.
+bench-quick: $(STAMP)
+	$(PY) -m bench.quick
 
 # Peak host memory of save and restore under a host budget, each measurement in a fresh process
 # (docs/benchmarks.md, "Host memory"; 15-30 minutes on the 2-core VM).
 bench-memory: $(STAMP)
-	$(PY) -m ckpt.bench --memory --gib 2 --runs 3
+	$(PY) -m bench --memory --gib 2 --runs 3
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache site

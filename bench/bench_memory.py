@@ -1,17 +1,17 @@
 """Memory benchmark (issue 10): peak host RSS and throughput of save and restore under a host budget.
 
-    python -m ckpt.bench --memory [--gib 2] [--runs 3] [--dir /tmp/ckpt-bench] [--json]
-                                  [--only save,restore,first,big]
+    python -m bench --memory [--gib 2] [--runs 3] [--dir /tmp/ckpt-bench] [--json]
+                             [--only save,restore,first,big]
 
-Every measurement runs in a fresh process (``python -m ckpt.bench_memory --child SPEC``, 8 CPU
-devices) that prints one JSON line. Around each timed region the child collects garbage, touches
+Every measurement runs in a fresh process (``python -m bench.bench_memory --child SPEC``, started
+from the repository root, 8 CPU devices) that prints one JSON line. Around each timed region the child collects garbage, touches
 and frees 1.25x the data (the VM's fresh-memory cost, docs/benchmarks.md), returns free malloc
 memory to the kernel (``malloc_trim``, so that the region cannot reuse pages already counted as
 resident), reads VmRSS, resets the high-water mark (``5`` > /proc/self/clear_refs) and after the
 region reads VmHWM. On CPU the devices' memory is host memory, so the resident baseline includes
 the tree on the devices. Sections (docs/benchmarks.md, "Host memory"):
 
-- save: the benchmark tree (ckpt.bench._make_tree, 4x2 mesh) saved with a host budget (256 MiB)
+- save: the benchmark tree (bench.common.make_tree, 4x2 mesh) saved with a host budget (256 MiB)
   beside the raw-disk write of the same unique shards in the same child (order alternating);
   peak RSS over the resident tree.
 - restore: that checkpoint restored with the same budget onto the same sharding, onto (2,4) and
@@ -43,6 +43,7 @@ TARGETS = ("same", "mesh24", "one")
 FIRST_SYSTEMS = ("raw", "bare", "ckpt", "orbax", "jax")
 SLACK = 1.10  # the bound: budget + 10%
 CHILD_TIMEOUT = 1800  # seconds; a 2 GiB child takes well under a minute
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the directory holding bench/
 
 
 # ---- the parent: children, aggregation, table ------------------------------------------------------
@@ -52,7 +53,10 @@ def _run_child(spec: dict) -> dict:
     """Run one measurement in a fresh process; its JSON line. RuntimeError when it fails or runs
     past spec["timeout"] seconds (then with every thread's stack, from the child's faulthandler)."""
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
-    proc = subprocess.Popen([sys.executable, "-m", "ckpt.bench_memory", "--child", json.dumps(spec)],
+    # bench/ is not installed: the child finds it from the repository root, whatever the parent's
+    # working directory (run() makes the scratch paths in the spec absolute for that reason).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen([sys.executable, "-m", "bench.bench_memory", "--child", json.dumps(spec)], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     timeout = spec.get("timeout", CHILD_TIMEOUT)
     try:
@@ -93,7 +97,7 @@ def run(gib: float = 2.0, runs: int = 3, root: str = "/tmp/ckpt-bench", only=SEC
     as ``{"error": ...}`` and the others still run. `tiny`: a 21 MiB tree instead of the
     benchmark tree (the tests' run of the harness; `gib` is then ignored). `child_timeout`: seconds
     one measurement may take before it is killed and reported as an error."""
-    root = os.path.join(root, "memory")
+    root = os.path.join(os.path.abspath(root), "memory")  # absolute: the children run in REPO
     os.makedirs(root, exist_ok=True)
     res: dict = {"gib": gib, "runs": runs, "budget_mib": budget_mib,
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -275,9 +279,9 @@ def print_table(res: dict) -> None:
 
 
 def main(argv: list[str] | None = None, *, parsed=None) -> int:
-    """`python -m ckpt.bench --memory ...` (parsed: its argparse namespace) or this module."""
+    """`python -m bench --memory ...` (parsed: its argparse namespace) or this module."""
     if parsed is None:
-        p = argparse.ArgumentParser(prog="ckpt bench --memory", description=__doc__.split("\n\n")[0])
+        p = argparse.ArgumentParser(prog="python -m bench --memory", description=__doc__.split("\n\n")[0])
         p.add_argument("--child", help=argparse.SUPPRESS)
         p.add_argument("--gib", type=float, default=2.0, help="approximate size of the tree (default 2)")
         p.add_argument("--runs", type=int, default=3, help="runs to take the median of (default 3)")

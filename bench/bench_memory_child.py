@@ -1,6 +1,6 @@
-"""The children of the memory benchmark (ckpt/bench_memory.py): one measurement per fresh process.
+"""The children of the memory benchmark (bench/bench_memory.py): one measurement per fresh process.
 
-Each child gets a JSON spec (``python -m ckpt.bench_memory --child SPEC``) and prints one JSON
+Each child gets a JSON spec (``python -m bench.bench_memory --child SPEC``) and prints one JSON
 line. ``measure`` is the timed region: peak host RSS from VmHWM, reset right before it.
 """
 
@@ -28,11 +28,11 @@ def _status_kib(field: str) -> int:
 
 
 def _quiesce(prefault_bytes: int) -> None:
-    from bench.bench import _prefault
+    from bench.common import prefault
 
     gc.collect()
     if prefault_bytes:
-        _prefault(prefault_bytes)
+        prefault(prefault_bytes)
     try:  # free heap pages go back to the kernel: a region reusing them would not raise VmHWM
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -115,20 +115,20 @@ def _tiny_tree(mesh):
 
 
 def _tree(spec: dict):
-    """The benchmark tree (ckpt.bench._make_tree, 4x2 mesh), or the tiny one when spec["tiny"]."""
+    """The benchmark tree (bench.common.make_tree, 4x2 mesh), or the tiny one when spec["tiny"]."""
     import jax
 
-    from bench.bench import _make_tree, _unique_shards
+    from bench.common import make_tree, unique_shards
 
     mesh = jax.make_mesh((4, 2), ("x", "y"))
-    tree = _tiny_tree(mesh) if spec.get("tiny") else _make_tree(spec["gib"], mesh)
-    shards = _unique_shards(tree)
+    tree = _tiny_tree(mesh) if spec.get("tiny") else make_tree(spec["gib"], mesh)
+    shards = unique_shards(tree)
     return tree, shards, sum(x.nbytes for _, x in shards)
 
 
 def _child_save(spec: dict) -> dict:
     import ckpt
-    from bench.bench import _evict, _raw_write
+    from bench.common import evict, raw_write
 
     tree, shards, nbytes = _tree(spec)
     width = ckpt.Options().resolved().io_concurrency
@@ -148,12 +148,12 @@ def _child_save(spec: dict) -> dict:
     order = ["raw", "save"] if spec["order"] % 2 == 0 else ["save", "raw"]
     for name in order:
         if name == "raw":
-            _, out["raw_write_s"], out["raw_mem"] = measure(lambda: _raw_write(shards, raw_dir, width),
+            _, out["raw_write_s"], out["raw_mem"] = measure(lambda: raw_write(shards, raw_dir, width),
                                                             int(1.25 * nbytes))
-            _evict(raw_dir)  # untimed, as in ckpt.bench: leave no dirty pages for the save to meet
+            evict(raw_dir)  # untimed, as in bench/bench.py: leave no dirty pages for the save to meet
         else:
             out["save_blocking_s"], out["save_s"], out["save_mem"] = measure(save, int(1.25 * nbytes))
-    _evict(ck_dir)
+    evict(ck_dir)
     release = getattr(ckpt, "release_host_memory", None)
     if release is not None:
         before = _status_kib("VmRSS")
@@ -170,15 +170,15 @@ def _child_raw_read(spec: dict) -> dict:
     import numpy as np
 
     import ckpt
-    from bench.bench import _evict, _raw_read
+    from bench.common import evict, raw_read
 
     with open(os.path.join(spec["root"], "raw-shapes.json")) as f:
         shards = [(str(i), jax.ShapeDtypeStruct(tuple(s), np.dtype(d))) for i, (s, d) in enumerate(json.load(f))]
     nbytes = sum(x.size * x.dtype.itemsize for _, x in shards)
     raw_dir = os.path.join(spec["root"], "raw")
-    _evict(raw_dir)
+    evict(raw_dir)
     width = ckpt.Options().resolved().io_concurrency
-    _, dt, mem = measure(lambda: _raw_read(shards, raw_dir, width), int(1.25 * nbytes))
+    _, dt, mem = measure(lambda: raw_read(shards, raw_dir, width), int(1.25 * nbytes))
     return {"unique_bytes": nbytes, "raw_read_s": dt, "raw_mem": mem}
 
 
@@ -187,7 +187,7 @@ def _child_restore(spec: dict) -> dict:
     from jax.sharding import SingleDeviceSharding
 
     import ckpt
-    from bench.bench import _evict
+    from bench.common import evict
 
     ck_dir = os.path.join(spec["root"], spec.get("name", "ckpt"))
     kwargs, via = _budget_kwargs(ckpt.restore, spec["budget"])
@@ -201,7 +201,7 @@ def _child_restore(spec: dict) -> dict:
         args = {"mesh": jax.make_mesh((4, 2) if spec["target"] == "same" else (2, 4), ("x", "y"))}
     nbytes = sum(m.nbytes for m in jax.tree.leaves(
         ckpt.metadata(ck_dir), is_leaf=lambda m: isinstance(m, ckpt.ArrayMetadata)))
-    _evict(ck_dir)
+    evict(ck_dir)
     restored, dt, mem = measure(lambda: jax.block_until_ready(ckpt.restore(ck_dir, **args, **kwargs)),
                                 int(1.25 * nbytes))
     placed = _device_bytes(restored)
@@ -217,7 +217,7 @@ def _child_first(spec: dict) -> dict:
     import numpy as np
 
     import ckpt
-    from bench.bench import _bare_copy, _files_and_bytes, _raw_write
+    from bench.common import bare_copy, files_and_bytes, raw_write
 
     tree, shards, nbytes = _tree(spec)
     system, path = spec["system"], os.path.join(spec["root"], f"first-{spec['system']}")
@@ -225,10 +225,10 @@ def _child_first(spec: dict) -> dict:
     width = ckpt.Options().resolved().io_concurrency
     if system == "raw":
         def fn():
-            _raw_write(shards, path, width)
+            raw_write(shards, path, width)
     elif system == "bare":
         def fn():
-            _bare_copy(shards)
+            bare_copy(shards)
     elif system == "ckpt":
         def fn():
             s = time.perf_counter()
@@ -264,7 +264,7 @@ def _child_first(spec: dict) -> dict:
     else:
         raise ValueError(f"unknown system {system!r}")
     blocking, dt, mem = measure(fn, int(1.25 * nbytes))
-    files, size = _files_and_bytes(path)
+    files, size = files_and_bytes(path)
     shutil.rmtree(path, ignore_errors=True)
     out = {"system": system, "unique_bytes": nbytes, "seconds": dt, "mem": mem, "files": files,
            "disk_bytes": size, "versions": {"numpy": np.__version__}}
@@ -316,10 +316,10 @@ CHILDREN = {"save": _child_save, "raw_read": _child_raw_read, "restore": _child_
 
 def child_main(spec: dict) -> int:
     """Run the measurement `spec` names and print its result as one JSON line."""
-    from bench.bench import _setup_devices
+    from bench.common import setup_devices
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's view into a hung child
-    _setup_devices(8)
+    setup_devices(8)
     out = CHILDREN[spec["kind"]](spec)
     print(json.dumps(out))
     return 0

@@ -1,4 +1,4 @@
-"""The host-memory benchmark harness (ckpt/bench_memory.py) at a tiny size: its peak-RSS reading,
+"""The host-memory benchmark harness (bench/bench_memory.py) at a tiny size: its peak-RSS reading,
 its output, and that what it saves restores equal (every shard is compared in the child). No
 timing or memory-bound assertions: those are the benchmark's figures, not test outcomes."""
 
