@@ -3,7 +3,8 @@
 Public API:
     save(path, tree, *, overwrite=False, options=None, host_budget_bytes=None, max_chunk_bytes=None)
     save_async(path, tree, *, overwrite=False, options=None, host_budget_bytes=None,
-               max_chunk_bytes=None) -> SaveHandle
+               max_chunk_bytes=None) -> SaveHandle   (.wait(timeout=None), .done(), .cancel();
+               a save not waited for finishes before the interpreter exits)
     restore(path, target=None, *, mesh=None, partial=False, verify=True, options=None)
     metadata(path, *, options=None)
     convert(src, dest, *, overwrite=False, options=None)   (an Orbax checkpoint -> jax-ckpt)
@@ -15,16 +16,13 @@ Locations are local paths or URLs (file://, memory://, s3://, gs://, any fsspec 
 storage engines behind them live in ckpt.storage (docs/storage.md).
 """
 
-from ckpt._version import __version__
-
 from ckpt._convert import convert
 from ckpt._errors import CheckpointError, ChecksumError, TreeMismatchError
 from ckpt._manager import CheckpointManager
-from ckpt._restore import ArrayMetadata, metadata
 from ckpt._options import Options
-from ckpt._restore import restore
-from ckpt._save import SaveHandle, save, save_async
-from ckpt._save import release_host_memory
+from ckpt._restore import ArrayMetadata, metadata, restore
+from ckpt._save import SaveHandle, release_host_memory, save, save_async
+from ckpt._version import __version__
 
 __all__ = [
     "ArrayMetadata",

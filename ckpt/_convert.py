@@ -12,6 +12,10 @@ scalars Python numbers, as ``restore`` of the Orbax checkpoint returns them), ev
 with the mesh and PartitionSpec Orbax recorded (so ``restore(dest, mesh=...)`` places it the same
 way), chunked by the saved shard shape, with a CRC-32C per chunk. It runs in one process, needs no
 devices, and commits atomically like ``save``: a failed convert leaves nothing at `dest`.
+
+It commits through the save's own last step (``ckpt._save.commit.commit_written``): the written
+files are checked, every zarr.json's CRC-32C is recorded and the manifest gets the format version
+a save would give it, so ``ckpt verify`` checks a converted checkpoint as it checks a saved one.
 """
 
 from __future__ import annotations
@@ -20,13 +24,9 @@ import itertools
 import math
 from typing import Any
 
-
-from ckpt._format import dtypes as _dtypes
-from ckpt._format import ALGORITHM, chunk_checksum
-from ckpt._save import commit_checkpoint
 from ckpt._errors import CheckpointError
-from ckpt._geometry import ShardingInfo, chunk_box, chunk_grid, full_box, spec_axes
 from ckpt._format import (
+    ALGORITHM,
     ARRAY_KINDS,
     INLINE_LIMIT,
     NUMPY_SCALAR,
@@ -34,17 +34,19 @@ from ckpt._format import (
     PY_COMPLEX,
     PY_FLOAT,
     PY_INT,
+    ArraySpec,
     InlineStorage,
     LeafRecord,
-    Manifest,
     ZarrStorage,
+    chunk_checksum,
+    storage_paths,
 )
+from ckpt._format import dtypes as _dtypes
+from ckpt._geometry import ShardingInfo, chunk_box, chunk_grid, full_box, spec_axes
 from ckpt._options import Options, resolve
 from ckpt._orbax import OrbaxLeaf
-from ckpt._restore import OrbaxArrays, is_orbax, open_layout
-from ckpt._restore import batch_by_budget
-from ckpt._format import storage_paths
-from ckpt._format import ArraySpec
+from ckpt._restore import OrbaxArrays, batch_by_budget, is_orbax, open_layout
+from ckpt._save import after_failed_commit, commit_written, group_paths
 from ckpt.storage import Staged, open_storage
 
 
@@ -84,28 +86,27 @@ def convert(src: Any, dest: Any, *, overwrite: bool = False, options: Options | 
     storage = open_storage(dest, opts)
     paths = storage_paths([leaf.components for leaf in layout.leaves])
     staged = storage.stage(overwrite=overwrite)
-    committing = False
     try:
-        records = [_convert_leaf(arrays, i, leaf, staged, paths[i], opts) for i, leaf in enumerate(layout.leaves)]
-        zarr = [r.storage.path[len(staged.prefix):] for r in records if isinstance(r.storage, ZarrStorage)]
-        if zarr or not staged.prefix:
-            groups = {""} | {"/".join(p.split("/")[:k]) for p in zarr for k in range(1, p.count("/") + 1)}
+        try:
+            specs: dict[int, tuple[str, ArraySpec]] = {}  # as a save's array_specs: what commit checks
+            records = [_convert_leaf(arrays, i, leaf, staged, paths[i], specs, opts)
+                       for i, leaf in enumerate(layout.leaves)]
+            groups = group_paths((path for path, _ in specs.values()), staged.prefix)
             for fut in [staged.storage.put_group(g) for g in sorted(groups)]:
                 fut.result()
-        from ckpt._version import __version__
-
-        manifest = Manifest(layout.tree, records, library_version=__version__)
-        committing = True
-        commit_checkpoint(storage, staged, manifest, overwrite=overwrite)
-    except BaseException as e:
-        # Once the manifest write started it may have landed: then the staged data is the new
-        # checkpoint's, unless the rename (local disk) never happened or another save won.
-        if not committing or storage.renames or isinstance(e, FileExistsError):
+        except BaseException:
             try:
-                storage.abort(staged)
+                storage.abort(staged)  # nothing committed: all staged is this convert's, unreferenced
             except OSError:
                 pass
-        raise
+            raise
+        try:
+            commit_written(storage, staged, layout.tree, records, specs, overwrite=overwrite, action="convert")
+        except BaseException as e:
+            after_failed_commit(storage, staged, e)
+            raise
+    finally:
+        staged.release()  # (commit and abort release it; this covers any other exit)
 
 
 def _chunk_shape(rec: LeafRecord) -> tuple[int, ...]:
@@ -133,7 +134,9 @@ def _python_scalar(rec: LeafRecord, value: Any) -> LeafRecord:
 
 
 def _convert_leaf(arrays: OrbaxArrays, i: int, leaf: OrbaxLeaf, staged: Staged, path: str,
-                  options: Options) -> LeafRecord:
+                  specs: dict[int, tuple[str, ArraySpec]], options: Options) -> LeafRecord:
+    """The leaf's record; a leaf stored as a Zarr array is written to `staged` and its
+    (path, spec) added to `specs` under its index `i`."""
     rec = leaf.record
     if rec.kind not in ARRAY_KINDS:
         return LeafRecord(rec.path, rec.kind, value=rec.value)
@@ -165,5 +168,6 @@ def _convert_leaf(arrays: OrbaxArrays, i: int, leaf: OrbaxLeaf, staged: Staged, 
         for fut, _ in writes:
             fut.result()
     staged.storage.create_array(path, spec).result()
+    specs[i] = (path, spec)
     out.storage = ZarrStorage(staged.prefix + path, chunk, storage_dtype.name, encoding, ALGORITHM, tuple(sums))
     return out

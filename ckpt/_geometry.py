@@ -89,10 +89,15 @@ Spec = tuple  # normalised PartitionSpec: entries are None, an axis name, or a t
 
 
 def normalize_spec(spec: Iterable, ndim: int | None = None) -> Spec:
-    """Spec entries as None / name / tuple of names; padded with None to `ndim` if given."""
+    """Spec entries as None / name / tuple of names; padded with None to `ndim` if given.
+
+    ``P.UNCONSTRAINED`` becomes None: on an array that exists (what a save sees) JAX lays such a
+    dimension out unsplit, exactly as None."""
     out = []
     for entry in spec:
-        if entry is None or isinstance(entry, str):
+        if _is_unconstrained(entry):
+            out.append(None)
+        elif entry is None or isinstance(entry, str):
             out.append(entry)
         else:
             names = tuple(entry)
@@ -100,6 +105,26 @@ def normalize_spec(spec: Iterable, ndim: int | None = None) -> Spec:
     if ndim is not None:
         out += [None] * (ndim - len(out))
     return tuple(out)
+
+
+def _is_unconstrained(entry) -> bool:
+    # jax.sharding.PartitionSpec.UNCONSTRAINED, recognised by type name so that this module
+    # keeps from importing jax.
+    return type(entry).__name__ == "UnconstrainedSingleton"
+
+
+def fit_spec(spec: Spec, ndim: int) -> Spec:
+    """A normalised `spec` cut to `ndim` entries.
+
+    JAX accepts a PartitionSpec longer than the array's rank when the extra entries are None
+    (``P(None)`` on a 0-d array, ``P('x', None, None)`` on a 1-d one): they shard nothing. A
+    manifest records exactly one entry per dimension at most (readers refuse more), so those
+    entries are dropped. An extra entry that names mesh axes would mean a layout no array of this
+    rank has: ValueError."""
+    extra = [e for e in spec[ndim:] if e is not None]
+    if extra:
+        raise ValueError(f"PartitionSpec {spec} shards over mesh axes {extra} beyond the array's {ndim} dimensions")
+    return tuple(spec[:ndim])
 
 
 def spec_axes(entry) -> tuple[str, ...]:
@@ -156,16 +181,18 @@ class ShardingInfo:
         return cls("named", tuple(mesh["axis_names"]), tuple(mesh["axis_sizes"]), spec)
 
 
-def describe_sharding(sharding) -> ShardingInfo:
-    """ShardingInfo of a jax.sharding.Sharding."""
+def describe_sharding(sharding, ndim: int | None = None) -> ShardingInfo:
+    """ShardingInfo of a jax.sharding.Sharding; with `ndim` (the array's rank), its spec is cut
+    to that many entries (`fit_spec`)."""
     import jax
 
     if isinstance(sharding, jax.sharding.NamedSharding):
         mesh = sharding.mesh
         names = tuple(mesh.axis_names)
-        return ShardingInfo(
-            "named", names, tuple(int(mesh.shape[n]) for n in names), normalize_spec(sharding.spec)
-        )
+        spec = normalize_spec(sharding.spec)
+        if ndim is not None:
+            spec = fit_spec(spec, ndim)
+        return ShardingInfo("named", names, tuple(int(mesh.shape[n]) for n in names), spec)
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
         return ShardingInfo("single_device")
     return ShardingInfo("other")

@@ -33,6 +33,12 @@ DEFAULT_BUDGET_FRACTION = 4
 FALLBACK_BUDGET = 2 << 30  # where the physical memory cannot be read
 # The smallest chunk cap a small budget leads to (a page: staging buffers are whole pages).
 MIN_CHUNK_CAP = 4096
+# How long one storage operation on an object store (S3, GCS: the tensorstore and fsspec
+# engines) may take, its retries included, before it fails naming the object and the operation
+# (issue 28: a server that accepts requests and never answers held a save for 7 minutes). A save
+# or restore against a server that never answers fails within twice this (docs/storage.md,
+# "Timeouts"): its first operation, plus at most one read-back or cleanup after it.
+REQUEST_TIMEOUT_S = 60.0
 
 
 def default_host_budget() -> int:
@@ -82,6 +88,25 @@ def _env_int(name: str, default: int, minimum: int = 1) -> int:
     return value
 
 
+def _env_seconds(name: str, default: float) -> float:
+    text = os.environ.get(name)
+    if text is None or text.strip() == "":
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"environment variable {name}={text!r} must be a positive number of seconds")
+    return value
+
+
+def _seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ValueError(f"Options.{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
 def _positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"Options.{name} must be a positive integer, got {value!r}")
@@ -129,6 +154,12 @@ class Options:
         max_chunk_bytes: the largest chunk a save writes: a shard bigger than this is split
             evenly into chunks of at most this size (``CKPT_MAX_CHUNK_BYTES``; default 64 MiB;
             a save also keeps chunks within a quarter of its host budget).
+        request_timeout_s: the longest one storage operation on an object store (S3, GCS,
+            through the ``tensorstore`` or ``fsspec`` engine) may take, retries included, before
+            it fails with an error naming the object and the operation; a save or restore
+            against a server that never answers raises within twice this
+            (``CKPT_REQUEST_TIMEOUT_S``; default 60 s; docs/storage.md, "Timeouts"). Local
+            disk is not bounded.
     """
 
     engine: EngineChoice = None
@@ -139,6 +170,7 @@ class Options:
     staging_pool: bool | None = None
     pack_limit_bytes: int | None = None
     max_chunk_bytes: int | None = None
+    request_timeout_s: float | None = None
 
     def resolved(self) -> "Options":
         """A copy with every default filled in (environment variables are read now).
@@ -149,7 +181,7 @@ class Options:
         Raises:
             ValueError: a field or environment variable is not a positive integer (a
                 non-negative one for ``pack_limit_bytes``; ``host_budget_bytes`` also accepts
-                ``"unlimited"``).
+                ``"unlimited"``; ``request_timeout_s`` a positive number of seconds).
         """
         return replace(
             self,
@@ -165,6 +197,8 @@ class Options:
             if self.pack_limit_bytes is not None else _env_int("CKPT_PACK_LIMIT_BYTES", PACK_LIMIT, minimum=0),
             max_chunk_bytes=_positive("max_chunk_bytes", self.max_chunk_bytes)
             if self.max_chunk_bytes is not None else _env_int("CKPT_MAX_CHUNK_BYTES", MAX_CHUNK_BYTES),
+            request_timeout_s=_seconds("request_timeout_s", self.request_timeout_s)
+            if self.request_timeout_s is not None else _env_seconds("CKPT_REQUEST_TIMEOUT_S", REQUEST_TIMEOUT_S),
         )
 
 

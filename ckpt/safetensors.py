@@ -23,15 +23,12 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from ckpt._format import dtypes as _dtypes
-from ckpt._format import read_manifest
 from ckpt._errors import CheckpointError
+from ckpt._format import ARRAY_KINDS, PRNG_KEY, LeafRecord, display_path, leaf_components, read_manifest
+from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import Box, ShardingInfo, chunk_box, chunk_grid, full_box
-from ckpt._format import ARRAY_KINDS, PRNG_KEY, LeafRecord
 from ckpt._options import Options, resolve
-from ckpt._restore import plan_leaf_read
-from ckpt._restore import CODES, INDEX_NAME, META_KEY, SINGLE_NAME
-from ckpt._format import display_path, leaf_components
+from ckpt._restore import CODES, INDEX_NAME, META_KEY, SINGLE_NAME, plan_leaf_read
 from ckpt.storage import open_storage
 
 __all__ = ["ExportResult", "export"]
@@ -236,7 +233,7 @@ def export(path: Any, out: Any, *, shard_size: int = DEFAULT_SHARD_SIZE, rename:
         ChecksumError: a chunk does not match its saved checksum.
         OSError: reading the checkpoint or writing `out` failed.
     """
-    from ckpt._restore import RestoreStats, Reader
+    from ckpt._restore import Reader, RestoreStats
 
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
         raise ValueError(f"shard_size must be a positive number of bytes, got {shard_size!r}")

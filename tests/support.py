@@ -209,6 +209,26 @@ def io_error(where: str) -> OSError:
     return OSError(errno.EIO, "Input/output error (injected)", where)
 
 
+def connection_reset(where: str) -> OSError:
+    """What a client sees when the connection drops after the server took the request."""
+    return ConnectionResetError(errno.ECONNRESET, "Connection reset by peer (injected)", where)
+
+
+def server_error(where: str) -> OSError:
+    """An HTTP 500 (InternalError), after retries: the request may or may not have been applied."""
+    return OSError(errno.EIO, "500 InternalError (injected)", where)
+
+
+def timed_out(where: str) -> OSError:
+    """The client's own bound ran out: the request may still be in flight."""
+    return TimeoutError(errno.ETIMEDOUT, "no answer (injected timeout)", where)
+
+
+def already_exists(where: str) -> OSError:
+    """What a client's own retry of a conditional write gets once its first attempt landed."""
+    return FileExistsError(errno.EEXIST, "already exists (injected: 412 to our own retry)", where)
+
+
 class Gate:
     """Holds the matching calls until ``release`` is set; ``entered`` is set by the first one."""
 
@@ -278,6 +298,21 @@ class Faults:
 
         self._add(_Rule(op, act, after, times, when))
         return gate
+
+    def lose_answer(self, op: str, error: Callable[[str], BaseException] = connection_reset, *, after: int = 0,
+                    times: int | None = None, when=None) -> None:
+        """Matching calls are performed (the write lands; a returned future is waited for),
+        then report ``error(key)``, as when the server's answer is lost: raised, or for a call
+        that returns a future, a future that raises it."""
+
+        def lost(result, *args):
+            e = error(str(args[0]) if args else "?")
+            if hasattr(result, "result"):
+                result.result()
+                return Done(error=e)
+            raise e
+
+        self._add(_Rule(op, lambda storage, where, args: None, after, times, when, result=lost))
 
     def before(self, op: str, fn: Callable, *, when=None) -> None:
         """Call ``fn(*args)`` ahead of every matching call."""
@@ -352,11 +387,28 @@ class FaultyStorage(WrapperStorage):
         return self._call("read_chunk", self.where(f"{path}/{chunk_key(index)}"), self.inner.read_chunk,
                           path, index, nbytes, into)
 
+    def read_chunk_async(self, path, index, nbytes, executor, into=None):
+        # The restore's chunk reads, seen as "read_chunk" (same arguments) and issued through the
+        # inner engine's own read_chunk_async: the production path, not a thread-pool fallback.
+        return self._call("read_chunk", self.where(f"{path}/{chunk_key(index)}"),
+                          lambda p, i, n, b: self.inner.read_chunk_async(p, i, n, executor, b),
+                          path, index, nbytes, into)
+
+    def read_range(self, key, start, length, into=None):
+        return self._call("read_range", self.where(key), self.inner.read_range, key, start, length, into)
+
     def put(self, key, data):
         return self._call("put", self.where(key), self.inner.put, key, data)
 
     def put_if_absent(self, key, data):
         return self._call("put_if_absent", self.where(key), self.inner.put_if_absent, key, data)
+
+    def get_versioned(self, key, *, max_bytes):
+        return self._call("get_versioned", self.where(key), lambda k: self.inner.get_versioned(k, max_bytes=max_bytes),
+                          key)
+
+    def put_if_version(self, key, data, version):
+        return self._call("put_if_version", self.where(key), self.inner.put_if_version, key, data, version)
 
     def exists(self, key):
         return self._call("exists", self.where(key), self.inner.exists, key)
@@ -434,7 +486,7 @@ def committed_generations(location: Any) -> list[str]:
 
 
 __all__ = [
-    "BIG", "PER_SHARD", "Faults", "FaultyStorage", "Gate", "Location", "SAVER_LEASE", "chunk_object", "committed_generations",
+    "BIG", "PER_SHARD", "Faults", "already_exists", "connection_reset", "server_error", "timed_out", "FaultyStorage", "Gate", "Location", "SAVER_LEASE", "chunk_object", "committed_generations",
     "copy_tree", "crc32c_reference", "dead_owner", "disk_full", "flip_byte", "io_error", "keys", "leaf_storage_path",
     "manifest_of", "plant_dead_save", "snapshot", "storage_of", "truncate", "without_lease", "write_hook_options",
 ]

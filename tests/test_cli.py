@@ -334,18 +334,28 @@ def test_expected_errors_print_one_line_and_exit_2(run_dir, step2_copy, tmp_path
     assert p.stderr.startswith(f"ckpt {args[0]}: error: ") and words in p.stderr, p.stderr
 
 
-def test_bench_forwards_its_arguments(monkeypatch):
-    import types
+def test_bench_forwards_its_arguments(monkeypatch, capsys, tmp_path):
+    """`ckpt bench` is the disk benchmark alone (ckpt/cli/_bench.py; tests/test_bench_cli.py runs
+    it): its options reach the benchmark, its result is printed as given, bad values are one-line
+    errors, and the developer benchmarks' other modes are not offered."""
+    from ckpt.cli import _bench
 
     calls = []
-    fake = types.ModuleType("ckpt.bench")
-    fake.main = lambda argv: calls.append(argv) or 3
-    monkeypatch.setitem(sys.modules, "ckpt.bench", fake)
-    monkeypatch.setattr(ckpt, "bench", fake, raising=False)
-    assert cli_main(["bench", "--gib", "0.5", "--runs", "1"]) == 3
-    assert calls == [["--gib", "0.5", "--runs", "1"]]
-    p = run("bench", "--help", check_rc=0)  # the real module's own help
-    assert "--gib" in p.stdout and "ckpt bench" in p.stdout
+    result = {"unique_gib": 0.5, "values_match": True}
+    monkeypatch.setattr(_bench, "run", lambda gib, runs, root: calls.append((gib, runs, root)) or result)
+    assert cli_main(["bench", "--gib", "0.5", "--runs", "1", "--dir", str(tmp_path), "--json"]) == 0
+    assert calls == [(0.5, 1, str(tmp_path))]
+    assert json.loads(capsys.readouterr().out) == result
+    assert cli_main(["bench", "--json"]) == 0 and calls[-1] == (2.0, 3, "/tmp/ckpt-bench")  # the defaults
+    capsys.readouterr()
+    for bad in (["--runs", "0"], ["--gib", "-1"], ["--leaves", "400"], ["--memory"]):
+        assert cli_main(["bench", *bad]) == 2, bad
+        err = capsys.readouterr().err
+        assert err.startswith("ckpt bench: error: ") and len(err.splitlines()) == 1, err
+    assert len(calls) == 2
+    p = run("bench", "--help", check_rc=0)
+    assert all(option in p.stdout for option in ("--gib", "--runs", "--dir", "--json")), p.stdout
+    assert "--leaves" not in p.stdout and "--url" not in p.stdout and "python -m bench" in p.stdout
 
 
 # ---- any location, through the storage interface ---------------------------------------------

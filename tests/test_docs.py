@@ -143,3 +143,17 @@ def test_every_guide_is_in_the_site_navigation():
     assert not missing, f"mkdocs.yml nav lacks {missing}"
     assert '--8<-- "formats/SPEC.md"' in (ROOT / "docs" / "format.md").read_text()
     assert os.path.exists(ROOT / "formats" / "SPEC.md")
+
+
+def test_the_design_page_names_every_module_of_the_package():
+    """docs/design.md walks a save and a restore file by file; its table names every module of
+    ckpt/ (a module added without a line there fails here), and nothing that no longer exists."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    named = set(re.findall(r"`(ckpt/[\w/]+\.py)`", text))
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "ckpt").rglob("*.py")}
+    assert not modules - named, f"modules missing from docs/design.md: {sorted(modules - named)}"
+    assert not named - modules, f"docs/design.md names modules that do not exist: {sorted(named - modules)}"
+    for part in ("_save", "_restore"):
+        walk = text.split(f"## A {'save' if part == '_save' else 'restore'}, file by file", 1)[1].split("\n## ", 1)[0]
+        steps = sorted(p.stem for p in (ROOT / "ckpt" / part).glob("*.py") if p.stem != "__init__")
+        assert all(f"{part}/{s}.py" in walk for s in steps), f"the {part} walk skips a module of ckpt/{part}/"

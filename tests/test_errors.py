@@ -126,16 +126,10 @@ def test_failure_while_committing_keeps_the_previous_checkpoint(location, shardi
         ckpt.save(path, _tree(sharding, 2.0), overwrite=True, options=faults.options())
     assert path in str(e.value)
     assert faults.calls[op] >= 1
-    after = location.snapshot()
-    if op == "commit" and location.kind == "memory":
-        # Without renames, a commit that fails may have written its manifest for all the save
-        # knows, so its generation stays behind as a leftover no manifest points to.
-        assert {k: after[k] for k in before} == before
-        extra = {k.split("/")[1] for k in set(after) - set(before)}
-        (generation,) = extra
-        assert generation.startswith("gen-") and generation not in committed_generations(path)
-    else:
-        assert after == before
+    # Nothing of the failed save is left: a commit that raises (without renames too) wrote no
+    # manifest, as the storage settles a failed manifest write by reading it back (issue 28; an
+    # outcome it cannot tell is an OutcomeUnknownError, which keeps everything: test_commit_faults.py).
+    assert location.snapshot() == before
     _assert_holds(path, 1.0)
 
 

@@ -9,7 +9,6 @@ gcsfs sends multipart uploads, where the emulator honours it, and exactly one co
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import jax
@@ -25,28 +24,23 @@ from support import committed_generations, race_two_saves
 
 BUCKET = "ckpt-test"
 TS, FS = ckpt.Options(engine="tensorstore"), ckpt.Options(engine="fsspec")
-# What the library itself sets from STORAGE_EMULATOR_HOST (process-wide), undone afterwards.
-_DERIVED = ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
 
 
 @pytest.fixture(scope="module")
 def gcs():
-    before = {k: os.environ.get(k) for k in _DERIVED}
     server = FakeGcs().start()
     patch = pytest.MonkeyPatch()
     try:
         server.make_bucket(BUCKET)
+        # What a user of an emulator sets (docs/storage.md, "S3 and GCS"): gcsfs reads
+        # STORAGE_EMULATOR_HOST; TensorStore takes its endpoint only from TENSORSTORE_GCS_HTTP_URL
+        # (the library never writes the environment), and needs no credentials for an emulator.
         patch.setenv("STORAGE_EMULATOR_HOST", server.url)
-        for k in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING"):
-            patch.delenv(k, raising=False)
+        patch.setenv("TENSORSTORE_GCS_HTTP_URL", server.url)
+        patch.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
         yield server
     finally:
         patch.undo()
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         server.stop()
 
 

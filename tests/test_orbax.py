@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 
+import crc32c
 import jax
 import jax.numpy as jnp
 import ml_dtypes
+import msgpack
 import numpy as np
 import optax
 import pytest
@@ -221,6 +224,99 @@ def test_convert_writes_a_checkpoint_with_every_value(orbax_ckpts, layout, tmp_p
         ckpt.convert(orbax_ckpts["paths"][layout], dest)
 
 
+def _manifest_doc(path) -> dict:
+    with open(os.path.join(path, "manifest.msgpack"), "rb") as f:
+        return msgpack.unpackb(f.read())
+
+
+def _check_commit_record(dest) -> dict:
+    """The manifest a convert wrote is the one a save writes: format version 1 (no stacks: the
+    lowest version that describes it), the CRC-32C of every zarr.json the checkpoint holds, and
+    `ckpt verify` passes; returns the manifest document."""
+    doc = _manifest_doc(dest)
+    assert doc["format_version"] == 1 and "stacks" not in doc
+    on_disk = {}
+    for d, _, files in os.walk(dest):
+        if "zarr.json" in files:
+            with open(os.path.join(d, "zarr.json"), "rb") as f:
+                on_disk[os.path.relpath(os.path.join(d, "zarr.json"), dest).replace(os.sep, "/")] = crc32c.crc32c(f.read())
+    zarr_leaves = [leaf for leaf in doc["leaves"] if (leaf.get("storage") or {}).get("type") == "zarr"]
+    assert zarr_leaves and "zarr.json" in on_disk  # (arrays, and the root group)
+    assert doc["zarr_json_crc32c"] == on_disk
+    assert {f"{leaf['storage']['path']}/zarr.json" for leaf in zarr_leaves} <= set(on_disk)
+    return doc
+
+
+@pytest.mark.parametrize("layout", ["ocdbt", "zarr2"])
+def test_a_converted_checkpoint_is_committed_as_a_save_is_and_verifies(orbax_ckpts, layout, tmp_path, capsys):
+    dest = str(tmp_path / "converted")
+    ckpt.convert(orbax_ckpts["paths"][layout], dest)
+    doc = _check_commit_record(dest)
+    capsys.readouterr()
+    assert main(["verify", dest]) == 0
+    out = capsys.readouterr().out
+    assert f"verified {dest}" in out and "result: intact, every chunk matches its checksum" in out
+    zarr_leaves = sum((leaf.get("storage") or {}).get("type") == "zarr" for leaf in doc["leaves"])
+    assert f"chunks of {zarr_leaves} arrays" in out
+    got = ckpt.restore(dest)
+    for path, want in orbax_ckpts["want"].items():
+        _check_value(_get(got, path), want, path)
+
+    # The recorded checksums are checked: a zarr.json changed after the convert is named.
+    w_json = os.path.join(dest, "params", "w", "zarr.json")
+    meta = json.loads(open(w_json).read())
+    meta["attributes"]["jax_ckpt"]["note"] = "edited"
+    with open(w_json, "w") as f:
+        f.write(json.dumps(meta))
+    assert main(["verify", dest]) == 1
+    out = capsys.readouterr().out
+    assert "params/w/zarr.json" in out and "zarr.json was changed after the save" in out and "DAMAGED" in out
+
+
+def test_a_convert_to_a_generation_prefix_records_its_checksums_there(orbax_ckpts, capsys):
+    # No rename (memory://): the data goes under a generation prefix, and so do the recorded keys.
+    dest = f"memory://convert/{uuid.uuid4().hex}/c"
+    ckpt.convert(orbax_ckpts["paths"]["zarr3"], dest)
+    capsys.readouterr()
+    assert main(["verify", dest]) == 0
+    assert "result: intact" in capsys.readouterr().out
+    from support import manifest_of
+
+    manifest = manifest_of(dest)
+    assert manifest.format_version == 1 and not manifest.stacks
+    prefixes = {key.split("/", 1)[0] for key in manifest.zarr_json}
+    assert len(prefixes) == 1 and prefixes.pop().startswith("gen-")
+    arrays = {f"{leaf.zarr.path}/zarr.json" for leaf in manifest.leaves if leaf.zarr is not None}
+    assert arrays and arrays < set(manifest.zarr_json)
+    _check_value(ckpt.restore(dest)["params"]["w"], orbax_ckpts["want"]["params/w"], "w")
+
+
+def test_convert_checks_its_files_are_there_before_committing(orbax_ckpts, tmp_path, monkeypatch):
+    """A chunk file removed from the staged place before the commit (another process cleaning
+    up, say) fails the convert as it fails a save, and nothing is committed or left behind."""
+    import ckpt._convert as convert_module
+    from ckpt._geometry import chunk_key
+
+    real, removed = convert_module._convert_leaf, []
+
+    def convert_leaf_then_lose_a_chunk(arrays, i, leaf, staged, path, specs, options):
+        rec = real(arrays, i, leaf, staged, path, specs, options)
+        if i in specs and not removed:
+            removed.append(f"{path}/{chunk_key((0,) * len(rec.shape))}")
+            staged.storage.delete(removed[0])
+        return rec
+
+    monkeypatch.setattr(convert_module, "_convert_leaf", convert_leaf_then_lose_a_chunk)
+    dest = tmp_path / "out" / "converted"
+    dest.parent.mkdir()
+    with pytest.raises(ckpt.CheckpointError,
+                       match=r"convert to .*converted: 1 file\(s\) it wrote are gone or changed before the commit.*"
+                             r"\(missing\).*nothing was committed") as err:
+        ckpt.convert(orbax_ckpts["paths"]["zarr3"], dest)
+    assert removed and removed[0] in str(err.value)
+    assert os.listdir(dest.parent) == []  # no checkpoint, no staged leftovers
+
+
 def test_convert_command_and_a_whole_step(orbax_ckpts, tmp_path, capsys):
     dest = str(tmp_path / "step")
     assert main(["convert", orbax_ckpts["paths"]["manager_root"], dest, "--step", "10"]) == 0
@@ -319,6 +415,8 @@ def test_a_checkpoint_orbax_0_11_wrote(tmp_path):
     assert ckpt.restore(os.path.join(DATA_011, "manager/3"))["meta"] == {"step": 3}
     ckpt.convert(os.path.join(DATA_011, "manager/3/state"), tmp_path / "c")
     assert np.array_equal(ckpt.restore(tmp_path / "c")["params"]["w"], want)
+    _check_commit_record(tmp_path / "c")
+    assert main(["verify", str(tmp_path / "c")]) == 0
 
 
 def test_a_step_with_metrics_restores_its_state_alone(tmp_path):

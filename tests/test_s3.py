@@ -115,15 +115,20 @@ def test_gcs_emulator_variable_reaches_tensorstore_and_gcsfs(monkeypatch):
     _clear(monkeypatch, "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
     spec, kind = tensorstore_spec("gs://bucket/p", {})
-    assert kind == "gcs" and spec["driver"] == "gcs" and "TENSORSTORE_GCS_HTTP_URL" not in os.environ
+    assert kind == "gcs" and spec["driver"] == "gcs"
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:4443")
-    tensorstore_spec("gs://bucket/p", {})
-    assert os.environ["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:4443"
-    assert os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"]
+    before = dict(os.environ)
+    # TensorStore takes its endpoint only from TENSORSTORE_GCS_HTTP_URL, which the library never
+    # sets: refused, saying what to set, rather than sent to real GCS.
+    with pytest.raises(ckpt.CheckpointError, match="set TENSORSTORE_GCS_HTTP_URL=http://127.0.0.1:4443"):
+        tensorstore_spec("gs://bucket/p", {})
+    monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", "http://127.0.0.1:4443")
+    spec, kind = tensorstore_spec("gs://bucket/p", {})
+    assert kind == "gcs" and spec["driver"] == "gcs"
     options: dict = {}
     _object_store_defaults("gs", options, 8)
     assert options == {"use_listings_cache": False, "token": "anon"}
-    assert os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] == "false"
+    assert dict(os.environ) == {**before, "TENSORSTORE_GCS_HTTP_URL": "http://127.0.0.1:4443"}  # nothing written
     options = {"token": "/path/key.json"}
     _object_store_defaults("gs", options, 8)
     assert options["token"] == "/path/key.json"  # what the caller passed wins
@@ -229,10 +234,15 @@ def test_requests_per_save_and_restore(s3, root):
     before = s3.request_counts()
     _check(ckpt.restore(f"{root}/c", mesh=mesh), sharding_of=lambda n: NamedSharding(mesh, SPECS[n][2]))
     restored = _delta(before, s3.request_counts())
-    # each chunk read once; the manifest (a 1-byte probe for an oversized one, then the read)
-    # and one probe for the kind of checkpoint: nothing per chunk but its GET
+    # each chunk read once and the manifest (a 1-byte probe for an oversized one, then the
+    # read): nothing per chunk but its GET, and no LIST at all: the native manifest is read
+    # first, other formats are sniffed only where there is none
     assert CHUNKS + 1 <= restored.get("GET", 0) <= CHUNKS + 2, restored
-    assert sum(n for kind, n in restored.items() if kind != "GET") <= 1, restored
+    assert sum(n for kind, n in restored.items() if kind != "GET") == 0, restored
+    before = s3.request_counts()
+    assert ckpt.metadata(f"{root}/c")["w"].shape == tree["w"].shape
+    described = _delta(before, s3.request_counts())
+    assert 1 <= described.get("GET", 0) <= 2 and sum(described.values()) == described["GET"], described
 
 
 def test_a_chunk_larger_than_one_part_is_read_in_ranged_parts(s3, root):

@@ -350,3 +350,81 @@ def test_restore_from_an_object_store_reads_ranges_through_its_engine(tmp_path):
     assert np.array_equal(np.asarray(out["w"]), big) and read == header + big.nbytes + 1
     md = ckpt.metadata(f"{url}/m.safetensors")
     assert md["w"].shape == (256, 256) and md["b"].dtype == np.int32
+
+
+# ---- symbolic links: followed only when they stay under the root (docs/storage.md) ---------------
+
+
+def _hf_snapshot(tmp_path):
+    """A Hugging Face cache repo: two shards and their index stored in blobs/ under content
+    names, and a snapshot directory of links to them (as huggingface_hub lays them out)."""
+    repo = tmp_path / "hub" / "models--org--model"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    shards = {"model-00001-of-00002.safetensors": {"a.w": W, "a.emb": EMB},
+              "model-00002-of-00002.safetensors": {"b.ids": IDS, "b.f8": F8}}
+    weight_map = {}
+    for i, (name, tensors) in enumerate(shards.items()):
+        safetensors.numpy.save_file(tensors, repo / "blobs" / f"blob{i}")
+        (snap / name).symlink_to(f"../../blobs/blob{i}")
+        weight_map.update({t: name for t in tensors})
+    (repo / "blobs" / "index").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (snap / "model.safetensors.index.json").symlink_to("../../blobs/index")
+    return repo, snap
+
+
+def _dtype_shape_bytes(a) -> tuple:
+    a = np.asarray(a)
+    return a.dtype, a.shape, a.tobytes()
+
+
+def test_a_hugging_face_cache_snapshot_restores_through_its_links_into_blobs(tmp_path):
+    repo, snap = _hf_snapshot(tmp_path)
+    want = {"a": {"w": W, "emb": EMB}, "b": {"ids": IDS, "f8": F8}}
+    for location in (snap, snap / "model.safetensors.index.json"):
+        out = ckpt.restore(location)
+        assert jax.tree.map(_dtype_shape_bytes, out) == jax.tree.map(_dtype_shape_bytes, want), location
+    one = ckpt.restore(snap / "model-00002-of-00002.safetensors")
+    assert jax.tree.map(_dtype_shape_bytes, one) == jax.tree.map(_dtype_shape_bytes, {"b": want["b"]})
+    mesh = _mesh()
+    out = ckpt.restore(snap, {"a": {"w": NamedSharding(mesh, P("data", "model")), "emb": NamedSharding(mesh, P())},
+                              "b": {"ids": NamedSharding(mesh, P("data")), "f8": NamedSharding(mesh, P())}})
+    for shard in out["a"]["w"].addressable_shards:
+        assert _dtype_shape_bytes(shard.data) == _dtype_shape_bytes(W[shard.index])
+    assert _dtype_shape_bytes(out["b"]["ids"]) == _dtype_shape_bytes(IDS)
+    md = ckpt.metadata(snap)
+    assert md["a"]["emb"].shape == EMB.shape and md["a"]["emb"].dtype == EMB.dtype
+    assert md["b"]["ids"].storage_path == "model-00002-of-00002.safetensors"
+
+
+def test_a_link_that_leaves_the_root_is_refused_naming_it(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    safetensors.numpy.save_file({"w": W}, elsewhere / "real.safetensors")
+    # A plain directory: its root is itself, so a link out of it is refused...
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "model.safetensors").symlink_to(elsewhere / "real.safetensors")
+    # ...and a Hugging Face snapshot whose link leaves its repo, through blobs/ or around it.
+    repo, snap = _hf_snapshot(tmp_path)
+    (snap / "model-00001-of-00002.safetensors").unlink()
+    (snap / "model-00001-of-00002.safetensors").symlink_to("../../../../elsewhere/real.safetensors")
+    cases = [(plain, plain / "model.safetensors"), (plain / "model.safetensors", plain / "model.safetensors"),
+             (snap, snap / "model-00001-of-00002.safetensors")]
+    for location, link in cases:
+        for call in (ckpt.restore, ckpt.metadata):
+            with pytest.raises(ckpt.CheckpointError) as e:
+                call(location)
+            text = str(e.value)
+            assert f"{link} is a symbolic link to {elsewhere.resolve()}/real.safetensors, which is outside" in text, text
+    # An index that is a link out of the root is refused the same way.
+    (snap / "model-00001-of-00002.safetensors").unlink()
+    (snap / "model-00001-of-00002.safetensors").symlink_to("../../blobs/blob0")
+    (snap / "model.safetensors.index.json").unlink()
+    (elsewhere / "index.json").write_text((repo / "blobs" / "index").read_text())
+    (snap / "model.safetensors.index.json").symlink_to(elsewhere / "index.json")
+    with pytest.raises(ckpt.CheckpointError, match="model.safetensors.index.json is a symbolic link to .*, which is outside"):
+        ckpt.restore(snap)

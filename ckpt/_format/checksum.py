@@ -1,6 +1,6 @@
 """Chunk checksums: CRC-32C (Castagnoli) of a chunk file's bytes.
 
-Chosen by measurement (ckpt/bench.py, docs/design.md): hardware CRC-32C runs at ~15 GiB/s per
+Chosen by measurement (bench/, docs/design.md): hardware CRC-32C runs at ~15 GiB/s per
 core here and releases the GIL, so checking every chunk costs a few percent of a disk-bound
 restore. It is also the checksum S3, GCS and Zarr's own crc32c codec use, so anyone can check
 a chunk file with stock tools. Computing it on the host copy at save time costs no extra read.

@@ -14,9 +14,8 @@ import math
 import re
 from typing import Any
 
-from ckpt._format import dtypes as _dtypes
 from ckpt._errors import CheckpointError
-from ckpt._geometry import chunk_grid
+from ckpt._format import dtypes as _dtypes
 from ckpt._format.records import (
     ARRAY_KINDS,
     FORMAT_NAME,
@@ -33,6 +32,7 @@ from ckpt._format.records import (
     ZarrStorage,
 )
 from ckpt._format.tree import CUSTOM, DICT, LEAF, LIST, MAX_TREE_DEPTH, NONE, TUPLE, display_path
+from ckpt._geometry import chunk_grid
 
 VALUE_KINDS = ("int", "float", "bool", "complex", "str", "bytes")
 
@@ -206,6 +206,21 @@ def check_sharding(sharding: Any, ndim: int) -> dict | None:
     return sharding
 
 
+def _past_rank_nones_dropped(sharding: Any, ndim: int) -> Any:
+    """A leaf's recorded sharding without None entries past the array's rank.
+
+    Saves before issue 25 recorded the spec as JAX held it, trailing None entries past the rank
+    included (P(None) on a 0-d array, which JAX accepts): they split nothing and the data of such
+    a checkpoint is whole, so they are dropped rather than refusing every leaf of it. Saves now
+    never write them. An entry past the rank that names axes is left for check_sharding to refuse."""
+    if not isinstance(sharding, dict) or sharding.get("kind") != "named":
+        return sharding
+    spec = sharding.get("spec")
+    if not isinstance(spec, list) or len(spec) <= ndim or any(e is not None for e in spec[ndim:]):
+        return sharding
+    return {**sharding, "spec": spec[:ndim]}
+
+
 def _check_stacked(storage: dict, shape: tuple[int, ...], logical: str, stacks: list[Stack]) -> StackedStorage:
     s, k = storage.get("stack"), storage.get("index")
     if not _is_int(s) or not 0 <= s < len(stacks):
@@ -277,7 +292,9 @@ def _check_storage(storage: Any, shape: tuple[int, ...], logical: str,
     return ZarrStorage(path, chunk_shape, storage_dtype.name, encoding, "crc32c", tuple(sums))
 
 
-def _check_leaf(rec: Any, tree_path: str, stacks: list[Stack] = ()) -> LeafRecord:
+def _check_leaf(rec: Any, tree_path: str, stacks: list[Stack] = (), seen: list | None = None) -> LeafRecord:
+    """`rec` checked and typed; `seen`: [(sharding as recorded, rank), checked sharding] of the
+    leaf checked before, updated here (a whole manifest is checked with one)."""
     if not isinstance(rec, dict):
         raise _Bad("is not a map")
     path, kind = rec.get("path"), rec.get("kind")
@@ -310,7 +327,13 @@ def _check_leaf(rec: Any, tree_path: str, stacks: list[Stack] = ()) -> LeafRecor
         impl = None
     if kind == NUMPY_SCALAR and shape != ():
         raise _Bad(f"a numpy.scalar has shape {list(shape)}, not []")
-    sharding = check_sharding(rec.get("sharding"), logical_ndim)
+    raw = rec.get("sharding")
+    if seen is not None and seen[0] == (raw, logical_ndim):
+        sharding = seen[1]  # (most leaves repeat the sharding of the one before: checked once)
+    else:
+        sharding = check_sharding(_past_rank_nones_dropped(raw, logical_ndim), logical_ndim)
+        if seen is not None:
+            seen[:] = [(raw, logical_ndim), sharding]
     if sharding is None and kind in (JAX_ARRAY, PRNG_KEY):
         raise _Bad(f"a {kind} leaf has no sharding")
     storage = _check_storage(rec.get("storage"), shape, dtype, stacks)
@@ -388,10 +411,10 @@ def manifest_from_doc(doc: Any, where: str) -> Manifest:
         stacks = _check_stacks(doc.get("stacks"), version)
     except _Bad as e:
         raise CheckpointError(f"{where}: manifest is corrupted: {e}") from None
-    leaves = []
+    leaves, seen = [], [None, None]
     for i, rec in enumerate(leaves_doc):
         try:
-            leaves.append(_check_leaf(rec, paths[i], stacks))
+            leaves.append(_check_leaf(rec, paths[i], stacks, seen))
         except _Bad as e:
             raise CheckpointError(f"{where}: manifest is corrupted: leaf {i} ({display_path(paths[i])!r}): {e}") from None
     try:

@@ -29,18 +29,18 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import sys
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Callable
 
 import jax
 
+from ckpt._errors import CheckpointError
 from ckpt._format import read_manifest
 from ckpt._manager import preemption as _preemption
-from ckpt._errors import CheckpointError
-from ckpt._manager.items import restore_item
-from ckpt._manager.steps import StepDirectory
 from ckpt._manager.args import (
     METADATA_LIMIT_BYTES,
     as_step,
@@ -49,18 +49,48 @@ from ckpt._manager.args import (
     check_interval,
     snapshot_metadata,
 )
+from ckpt._manager.items import restore_item
+from ckpt._manager.naming import StepNaming, parse_step, scan_steps, step_dir_name  # noqa: F401 (the door)
+from ckpt._manager.retention import METRICS_KEY, best_step, check_metrics, score, steps_to_delete
+from ckpt._manager.steps import StepDirectory
 from ckpt._options import Options, resolve
 from ckpt._orbax import step_record
 from ckpt._restore import restore as _restore
-from ckpt._manager.retention import METRICS_KEY, best_step, check_metrics, score, steps_to_delete
 from ckpt._save import SaveHandle, start_save
-from ckpt._manager.naming import StepNaming
-from ckpt.storage import Storage, open_storage
-from ckpt.storage import NotDurableError, SaveLock
-from ckpt._manager.naming import parse_step, scan_steps, step_dir_name  # noqa: F401 (the door)
+from ckpt.storage import NotDurableError, SaveLock, Storage, open_storage
 
 __all__ = ["CheckpointManager", "METADATA_LIMIT_BYTES", "steps_to_delete"]
 _as_step = as_step
+
+
+# Managers that saved and are not closed. At interpreter exit their saves in flight are finished
+# (committed or reported on stderr), their deletions done and their locks released before the
+# interpreter stops accepting background work (``_finish_at_exit``).
+_unclosed: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
+_exit_hook = threading.Lock()
+_exit_hook_registered = False
+EXIT_NOTICE_S = 5.0  # a save still running this long at exit is announced on stderr
+
+
+def _finish_at_exit() -> None:
+    for manager in list(_unclosed):
+        manager._finish_at_exit()
+
+
+def _register_exit_hook() -> None:
+    """Run ``_finish_at_exit`` when the main thread ends, before the interpreter joins its
+    threads and before concurrent.futures refuses new work (its own hook, registered earlier,
+    runs after ours: these hooks run last registered first). ``atexit`` would run too late: the
+    save's pools are shut down by then and the save fails."""
+    global _exit_hook_registered
+    with _exit_hook:
+        if _exit_hook_registered:
+            return
+        try:
+            threading._register_atexit(_finish_at_exit)  # the hook concurrent.futures uses too
+        except (AttributeError, RuntimeError):  # another Python; or the interpreter is exiting
+            return
+        _exit_hook_registered = True
 
 
 class _Pending:
@@ -81,8 +111,9 @@ class CheckpointManager:
     CheckpointError naming the first. After each commit, process 0 removes old steps
     (retention) and the leftovers of saves that provably died, never a save in progress. One
     manager per directory per job; its methods are meant to be called from one thread. Use it
-    as a context manager, or call ``close()``. docs/migrating-from-orbax.md maps Orbax's
-    CheckpointManager options and calls to these.
+    as a context manager, or call ``close()``; one never closed still finishes its save in
+    flight and its deletions when the interpreter exits (a failure is printed on stderr).
+    docs/migrating-from-orbax.md maps Orbax's CheckpointManager options and calls to these.
 
     Args:
         directory (str | os.PathLike): any location ``ckpt.save`` accepts (a local path,
@@ -111,8 +142,11 @@ class CheckpointManager:
         step_format_fixed_length: zero-pad the step to this many digits; None: no padding.
         save_on_preemption: at a preemption notice (JAX's preemption sync point; SIGTERM in a
             single-process job, watched from the first save on, from the main thread), ``save``
-            saves that step whatever the interval and waits for its commit; a SIGTERM is then
-            handed on to the handler that was installed before (by default the process ends).
+            saves that step whatever the interval and returns once it is committed and the
+            manager's deletions are done; ``reached_preemption(step)`` is then True and the
+            training loop decides to stop. A SIGTERM is not acted on inside ``save``: a Python
+            handler installed before gets it then; the default action (ending the process) is
+            left to the loop, and the previous handler is put back for later signals.
         host_budget_bytes: ``Options.host_budget_bytes`` of every save and restore.
         max_chunk_bytes: ``Options.max_chunk_bytes`` of every save.
         options: engine, concurrency and memory settings for every save and restore
@@ -230,13 +264,16 @@ class CheckpointManager:
         Returns:
             True when `step` is newer than every step already saved (or being saved) here and
             is the first step of an empty directory, or a preemption was signalled
-            (``reached_preemption``), or a multiple of save_interval_steps.
+            (``reached_preemption``), or a multiple of save_interval_steps. Always False for a
+            ``read_only`` manager.
 
         Raises:
             TypeError: `step` is not an integer.
             ValueError: `step` is negative.
         """
         step = _as_step(step)
+        if self.read_only:
+            return False  # its save raises: it never saves
         if self._last_step is not None and step <= self._last_step:
             return False
         preempted = self.reached_preemption(step)
@@ -255,7 +292,9 @@ class CheckpointManager:
         Returns:
             True when JAX's preemption sync point says every process reached `step` after a
             preemption notice, or (``save_on_preemption``) this single-process job received
-            SIGTERM and it has not been handed on yet; False otherwise.
+            SIGTERM that no save has answered yet (the step whose save answered it keeps its
+            True answer, so ``if manager.reached_preemption(step): break`` after
+            ``save(step, ...)`` stops the loop); False otherwise.
 
         Raises:
             TypeError: `step` is not an integer.
@@ -309,7 +348,7 @@ class CheckpointManager:
         save to commit first. With ``async_save`` (the default) it returns once the host copies
         are taken; the write, the commit and retention run in the background. At a preemption
         (``reached_preemption(step)``) it saves whatever the interval and returns once the step
-        is committed (then a SIGTERM is handed on: see ``save_on_preemption``).
+        is committed and old steps deleted; stop training then (see ``save_on_preemption``).
 
         Args:
             step: the training step, an integer >= 0.
@@ -330,6 +369,9 @@ class CheckpointManager:
                 `metrics` cannot be stored (naming the key), the manager is closed or
                 read-only, or another manager is saving to the directory (naming it).
             NotADirectoryError: `directory` is a file.
+            FileExistsError: something uncommitted is at the step's name and nothing proves its
+                save ended (a save in progress, files without an owner record): it is left
+                alone. A leftover of a save of that step that provably died is replaced.
             TypeError: `step` is not an integer or `metadata` / `metrics` is not a dict.
             ValueError: `step` is negative, or `best_fn` fails on `metrics`.
         """
@@ -347,20 +389,46 @@ class CheckpointManager:
         if self._deletes and self._saver_lock is None:
             self.storage.make_dirs()
             self._saver_lock = self.storage.lock_saves()
+        lost = getattr(self._saver_lock, "lost", None)
+        if lost:
+            # This manager stalled past its lease's expiry and another one took the directory
+            # over (a lease on object stores): saving now would race it.
+            raise CheckpointError(f"checkpoint manager for {self.directory} no longer holds its saver lease: {lost}")
+        _register_exit_hook()
+        _unclosed.add(self)
         if self._watch_sigterm and not self._watching:
             self._watching = _preemption.watch(self)
         name = self.naming.name(step)
-        handle = start_save(self.storage.child(name), tree, user_metadata=stored, options=self.options)
+        blocked = self._clear_dead(step) if self._deletes else None
+        try:
+            handle = start_save(self.storage.child(name), tree, user_metadata=stored, options=self.options)
+        except FileExistsError as e:
+            if blocked is None:
+                raise
+            # Something uncommitted under the step's name that nothing proves abandoned (every
+            # process got this error from the save's shared decision; process 0 knows why).
+            raise FileExistsError(
+                errno.EEXIST, f"step {step} is not committed, but something is at its name and it is not "
+                f"provably abandoned ({blocked}): it is not replaced; remove it if no save is writing it",
+                self.storage.where(name)) from e
         pending = _Pending(step, self.storage.where(name), handle)
         self._pending = pending
         self._known_steps.add(step)
         self._last_step = step if self._last_step is None else max(self._last_step, step)
         self._start_background(self._finish_save, pending, name=f"ckpt-manager-step-{step}")
-        if not self.async_save or self.reached_preemption(step):
+        preempted = self.reached_preemption(step)
+        if not self.async_save or preempted:
             self._finish_pending()
-            if self._watching and self.reached_preemption(step):
+        if preempted:
+            # The job is about to stop: the deletions after this commit finish now too, so
+            # nothing is cut off half-way when the loop ends the process.
+            self.wait()
+            if self._watching:
                 self._watching = False
-                _preemption.hand_on()  # the step is committed: let SIGTERM do what it did before
+                # The notice is answered: never kill the process here (the loop's own code,
+                # which sees reached_preemption(step), ends it); a Python handler installed
+                # before ours gets it.
+                _preemption.consume()
         return True
 
     def delete(self, step: int) -> None:
@@ -433,12 +501,41 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            self._closed = True
-            if self._saver_lock is not None:
-                self._saver_lock.release()
-            if self._watching:
-                self._watching = False
-                _preemption.unwatch(self)
+            self._release()
+
+    def _release(self, *, at_exit: bool = False) -> None:
+        self._closed = True
+        _unclosed.discard(self)
+        if self._saver_lock is not None:
+            self._saver_lock.release()
+        if self._watching:
+            self._watching = False
+            if not at_exit and self._preemption is not None and self._preemption[1] and _preemption.received():
+                # The loop was told (reached_preemption said True) and closes: its decision,
+                # as after a save that answered the notice; never a kill inside close().
+                _preemption.consume()
+            else:
+                _preemption.unwatch(self, hand_on_notice=not at_exit)
+
+    def _finish_at_exit(self) -> None:
+        """close() for a manager the program never closed, as the interpreter exits: its save
+        in flight commits (announced on stderr when it takes long) or its failure is printed on
+        stderr; deletions finish; the directory lock is released. Nothing is raised (there is
+        no caller left to catch it)."""
+        if self._closed:
+            return
+        try:
+            pending = self._pending
+            if pending is not None and not pending.finished.wait(EXIT_NOTICE_S):
+                print(f"jax-ckpt: the CheckpointManager for {self.directory} was not closed; finishing the save of "
+                      f"step {pending.step} to {pending.path} before the interpreter exits", file=sys.stderr,
+                      flush=True)
+            self.wait()
+        except BaseException as e:  # (KeyboardInterrupt included: the exit goes on)
+            print(f"jax-ckpt: the CheckpointManager for {self.directory} was not closed, and at exit: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        finally:
+            self._release(at_exit=True)
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -456,7 +553,7 @@ class CheckpointManager:
 
     def restore(self, step: int | None = None, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
                 partial: bool = False, verify: bool = True, options: Options | None = None,
-                item: str | None = None) -> Any:
+                item: str | None = None, allow_lossy_cast: bool = False) -> Any:
         """``ckpt.restore`` of a step (or of one item of it); retention leaves the step alone
         while it is read.
 
@@ -470,6 +567,8 @@ class CheckpointManager:
             options: settings of this restore; None: the manager's.
             item: restore only this top-level key of the saved tree (an Orbax step's
                 ``<step>/<item>/``), reading only the chunks its arrays need.
+            allow_lossy_cast: as for ``ckpt.restore``: cast to a target dtype even where values
+                change beyond rounding.
 
         Returns:
             The restored tree (or item), as ``ckpt.restore`` returns it.
@@ -487,8 +586,9 @@ class CheckpointManager:
                 location = open_storage(location.url, resolve(options))
             if item is not None:
                 return restore_item(location, item, target, orbax=entry.orbax, mesh=mesh, partial=partial,
-                                    verify=verify, options=opts)
-            return _restore(location, target, mesh=mesh, partial=partial, verify=verify, options=opts)
+                                    verify=verify, options=opts, allow_lossy_cast=allow_lossy_cast)
+            return _restore(location, target, mesh=mesh, partial=partial, verify=verify, options=opts,
+                            allow_lossy_cast=allow_lossy_cast)
 
     def metadata(self, step: int | None = None) -> dict:
         """The metadata dict saved with a step.
@@ -595,6 +695,14 @@ class CheckpointManager:
                 # Left in place (still committed and whole); the next commit retries.
                 warnings.warn(f"checkpoint manager could not delete step {step} in {self.directory}: {e}",
                               RuntimeWarning, stacklevel=1)
+
+    def _clear_dead(self, step: int) -> str | None:
+        """StepDirectory.clear_dead; a failure to judge or remove becomes the reason the save
+        names if what is there blocks it."""
+        try:
+            return self._steps.clear_dead(step)
+        except (OSError, CheckpointError) as e:
+            return f"judging or removing it failed: {type(e).__name__}: {e}"
 
     def _remove_leftovers(self) -> None:
         try:

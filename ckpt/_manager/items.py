@@ -17,13 +17,11 @@ import jax
 import jax.tree_util as jtu
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ckpt._format import read_manifest
 from ckpt._errors import CheckpointError
+from ckpt._format import PRNG_KEY, child_names, join_path, leaf_components, match_target, read_manifest, unflatten
 from ckpt._geometry import ShardingInfo
-from ckpt._format import PRNG_KEY
 from ckpt._orbax import kind_of
 from ckpt._restore import restore as _restore
-from ckpt._format import child_names, join_path, leaf_components, match_target, unflatten
 from ckpt.storage import Storage
 
 
@@ -51,7 +49,7 @@ def _placeholder(rec, mesh: jax.sharding.Mesh | None) -> Any:
 
 
 def restore_item(storage: Storage, item: str, target: Any, *, orbax: bool, mesh, partial: bool, verify: bool,
-                 options) -> Any:
+                 options, allow_lossy_cast: bool = False) -> Any:
     """Restore item `item` of the step at `storage` alone (module docstring)."""
     if not isinstance(item, str):
         raise TypeError(f"item must be a string, got {type(item).__name__}")
@@ -60,7 +58,8 @@ def restore_item(storage: Storage, item: str, target: Any, *, orbax: bool, mesh,
         if not location.exists_any():
             raise KeyError(f"{storage.url} has no item {item!r}")
         if kind_of(location) == "item":  # a PyTree item: read alone
-            return _restore(location, target, mesh=mesh, partial=partial, verify=verify, options=options)
+            return _restore(location, target, mesh=mesh, partial=partial, verify=verify, options=options,
+                        allow_lossy_cast=allow_lossy_cast)
         for name in ("metadata", item):  # a JsonSave item (Orbax's own metrics item names its file `metrics`)
             if location.exists(name):
                 try:
@@ -68,7 +67,8 @@ def restore_item(storage: Storage, item: str, target: Any, *, orbax: bool, mesh,
                 except ValueError as e:
                     raise CheckpointError(f"{location.where(name)}: not a JSON item: {e}") from None
         wanted = None if target is None else {item: target}
-        return _restore(storage, wanted, mesh=mesh, partial=target is not None, verify=verify, options=options)[item]
+        return _restore(storage, wanted, mesh=mesh, partial=target is not None, verify=verify, options=options,
+                        allow_lossy_cast=allow_lossy_cast)[item]
     if target is not None and mesh is not None:
         raise ValueError("pass either target or mesh, not both")
     manifest = read_manifest(storage)
@@ -83,7 +83,8 @@ def restore_item(storage: Storage, item: str, target: Any, *, orbax: bool, mesh,
     if target is not None:
         if not partial:  # the item must match the target exactly, as a whole restore would
             match_target(target, [join_path(comps[i][1:]) for i in mine], partial=False)
-        return _restore(storage, {item: target}, partial=True, verify=verify, options=options)[item]
+        return _restore(storage, {item: target}, partial=True, verify=verify, options=options,
+                        allow_lossy_cast=allow_lossy_cast)[item]
     if mine:
         wanted: dict = {}
         for i in mine:
@@ -92,7 +93,8 @@ def restore_item(storage: Storage, item: str, target: Any, *, orbax: bool, mesh,
             for p in parents:
                 at = at.setdefault(p, {})
             at[last] = _placeholder(manifest.leaves[i], mesh)
-        got = _restore(storage, wanted, partial=True, verify=verify, options=options)
+        got = _restore(storage, wanted, partial=True, verify=verify, options=options,
+                        allow_lossy_cast=allow_lossy_cast)
         paths, treedef = jtu.tree_flatten_with_path(wanted)
         index = {join_path(c): i for i, c in enumerate(comps)}
         for (path, _), value in zip(paths, treedef.flatten_up_to(got)):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ckpt._orbax import STEP_METADATA, TMP_MARK, step_of
 from ckpt._format import MANIFEST_NAME, is_temp_name
+from ckpt._orbax import STEP_METADATA, TMP_MARK, step_of
 from ckpt.storage import Storage
 
 _STEP = re.compile(r"^step_(\d{8,})$")

@@ -4,10 +4,14 @@ Multi-process jobs use JAX's preemption sync point (``multihost_utils.reached_pr
 which needs ``jax.distributed``): it says True at the same step on every process. A single-process
 job has no such service, so the manager watches SIGTERM itself (what schedulers send before they
 kill a job): the handler only records the notice; the manager's next ``save`` saves that step
-whatever the interval, and once it is committed SIGTERM is handed on to the handler that was
-there before (by default: the process ends), so a notice still ends the process, one checkpoint
-later. A notice not yet handed on when the last watching manager closes is handed on then; a
-second SIGTERM while one is held is handed on at once.
+whatever the interval and returns once it (and the manager's deletions) are done, with
+``reached_preemption(step)`` True: the training loop's own code decides to stop. The notice is
+then consumed: a Python handler installed before ours gets it (it may end the process its own
+way); the default action (ending the process) is not taken, since killing the process inside
+``save`` would cut off the loop's own ending (and its exit status). The previous handler is put
+back, so a later SIGTERM does what it did before. A notice no save consumed when the last watching
+manager closes is handed on then (the default action included); a second SIGTERM while one is
+held is handed on at once. At interpreter exit nothing is handed on: the process is ending.
 """
 
 from __future__ import annotations
@@ -73,17 +77,35 @@ def hand_on() -> None:
     # SIG_IGN: the notice is dropped, as it would have been without us.
 
 
-def unwatch(manager: Any) -> None:
+def consume() -> None:
+    """A save answered the notice (the preemption step is committed): stop holding it. A Python
+    handler installed before ours gets it now; the default action (the process ends) is left to
+    the training loop, which sees ``reached_preemption``; SIG_IGN drops it. Every manager stops
+    watching and the previous handler is put back."""
+    with _lock:
+        if not _received.is_set():
+            return
+        _received.clear()
+        _watchers.clear()
+        previous = _previous
+        _restore_previous()
+    if callable(previous):
+        previous(signal.SIGTERM, None)
+
+
+def unwatch(manager: Any, *, hand_on_notice: bool = True) -> None:
     """`manager` stops watching (close): the last one puts the previous handler back, and hands
-    on a notice that no save consumed."""
+    on a notice that no save consumed (unless `hand_on_notice` is False: at interpreter exit,
+    where the process is ending anyway and a late kill would only change its exit status)."""
     with _lock:
         if manager not in _watchers:
             return
         _watchers.discard(manager)
         if len(_watchers):
             return
-        pending = _received.is_set()
+        pending = _received.is_set() and hand_on_notice
         if not pending:
+            _received.clear()
             _restore_previous()
     if pending:
         hand_on()

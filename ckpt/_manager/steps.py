@@ -9,13 +9,12 @@ import threading
 import warnings
 from typing import Iterator
 
-from ckpt._format import read_manifest
 from ckpt._errors import CheckpointError
-from ckpt._orbax import STEP_METADATA, step_record
-from ckpt._manager.retention import METRICS_KEY, StepFacts
+from ckpt._format import GENERATION_MARK, MANIFEST_NAME, is_temp_name, read_manifest
 from ckpt._manager.naming import ManagedStep, StepNaming, committed_steps, scan_named_steps
-from ckpt._format import MANIFEST_NAME, is_temp_name
-from ckpt.storage import Storage
+from ckpt._manager.retention import METRICS_KEY, StepFacts
+from ckpt._orbax import STEP_METADATA, step_record
+from ckpt.storage import OWNER_LIMIT_BYTES, OWNER_NAME, Storage, owner_gone, parse_owner
 
 
 class StepDirectory:
@@ -114,6 +113,64 @@ class StepDirectory:
             for leftover in step.leftovers():
                 if leftover.dead:
                     step.remove_leftover(leftover)
+
+    def clear_dead(self, step: int) -> str | None:
+        """Before saving `step` (process 0, holding the directory's saver lock): remove what a
+        save of that step that provably died left under the step's name, so it does not block
+        the save (``all_steps`` ignores it already). Returns, when something uncommitted stays
+        there, why it is not provably dead (a save in progress, no owner record...); None
+        otherwise. A committed step is left alone (the save refuses it as before).
+
+        Local disk (rename commit): the step's directory, without a manifest, is removed when
+        it is empty or when every owner record in it (its own ``.owner``: a staged directory
+        renamed or copied there; those of its ``gen-*`` generations: another engine's saves)
+        names a process that is gone. Elsewhere
+        a save stages in a generation of its own, so only the dead generations are removed;
+        live ones never clash with this save (the commit is a conditional write)."""
+        name = self.naming.name(step)
+        location = self.storage.child(name)
+        if location.exists(MANIFEST_NAME):
+            return None
+        if not self.storage.renames:
+            for leftover in location.leftovers():
+                if leftover.dead:
+                    location.remove_leftover(leftover)
+            return None
+        if not location.exists_any():
+            return None
+        if name not in self.storage.list_dir("")[1]:
+            return "it is not a directory"  # a file (or link) by that name: not ours to remove
+        files, dirs = location.list_dir("")
+        if not files and not dirs:
+            location.delete_tree("")  # an empty directory: nothing to lose
+            return None
+        places = [location] if OWNER_NAME in files else []
+        places += [location.child(d) for d in dirs if d.startswith(GENERATION_MARK)]
+        if not places:
+            return "no owner record shows that its save ended"
+        if OWNER_NAME not in files:
+            # Only generations carry records: anything beside them but group metadata is not
+            # theirs (a user's files), so the directory is not a save's leftover alone.
+            others = [n for n in files if n != "zarr.json"] + [d for d in dirs if not d.startswith(GENERATION_MARK)]
+            if others:
+                return f"it holds {others[0]!r}, which no save of the library writes there"
+        for place in places:
+            try:
+                data = place.get(OWNER_NAME, max_bytes=OWNER_LIMIT_BYTES)
+            except FileNotFoundError:
+                # A generation's owner record is its first object and goes only after its
+                # manifest is written: none, and no manifest, means its save died.
+                continue
+            owner = parse_owner(data)
+            if owner is None:
+                return f"its owner record {place.where(OWNER_NAME)} is unreadable"
+            dead, why = owner_gone(owner, place=place.url)
+            if not dead:
+                return why
+        if location.exists(MANIFEST_NAME):  # committed meanwhile: not a leftover
+            return None
+        location.delete_tree("")
+        return None
 
     @contextlib.contextmanager
     def pinned(self, step: int) -> Iterator[tuple[Storage, ManagedStep]]:

@@ -3,6 +3,20 @@
 
 from __future__ import annotations
 
-# The door: what other layers of ckpt use from here.
 from ckpt._orbax.layout import Item, Layout, OrbaxLeaf, read_json, read_layout
-from ckpt._orbax.steps import STEP_METADATA, TMP_MARK, kind_of, scan_orbax_steps, step_of, step_record  # noqa: F401
+from ckpt._orbax.steps import STEP_METADATA, TMP_MARK, kind_of, scan_orbax_steps, step_of, step_record
+
+# What the layers above use from here.
+__all__ = [
+    "Item",
+    "Layout",
+    "OrbaxLeaf",
+    "STEP_METADATA",
+    "TMP_MARK",
+    "kind_of",
+    "read_json",
+    "read_layout",
+    "scan_orbax_steps",
+    "step_of",
+    "step_record",
+]

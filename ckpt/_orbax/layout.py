@@ -36,8 +36,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt._errors import CheckpointError
-from ckpt._format import JAX_ARRAY, NUMPY, NUMPY_SCALAR, PY_BOOL, PY_FLOAT, PY_INT, PY_STR, LeafRecord
-from ckpt._format import DICT, LEAF, LIST, NONE, TUPLE, display_path, join_path
+from ckpt._format import (
+    DICT,
+    JAX_ARRAY,
+    LEAF,
+    LIST,
+    NONE,
+    NUMPY,
+    NUMPY_SCALAR,
+    PY_BOOL,
+    PY_FLOAT,
+    PY_INT,
+    PY_STR,
+    TUPLE,
+    LeafRecord,
+    display_path,
+    join_path,
+)
 from ckpt._orbax.steps import PYTREE_METADATA, STEP_METADATA, TMP_MARK, _exists, kind_of, scan_orbax_steps
 from ckpt.storage import Storage
 

@@ -1,37 +1,40 @@
-"""restore: what to build for each leaf (a target, a mesh, or as saved), read by ckpt._read
-within the host memory budget, and the restored tree.
+"""The restore, read in order: ``source`` (what the location holds: the native manifest first),
+``plan`` (what each leaf is built as, the regions and chunks each process needs), ``read``
+(chunks within the host budget, verified) and ``place`` (host buffers onto devices). This door
+holds ``restore`` and ``metadata``; docs/design.md walks the steps file by file.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from ckpt._format import dtypes as _dtypes
-from ckpt._memory import gc_paused
-from ckpt._format import Manifest, read_manifest
 from ckpt._errors import CheckpointError
-from ckpt._geometry import Box, ShardingInfo, mesh_fit_problem
-from ckpt._format import ARRAY_KINDS, PRNG_KEY, LeafRecord
+from ckpt._format import ARRAY_KINDS, Manifest, leaf_components, match_target, read_manifest, unflatten
+from ckpt._format import dtypes as _dtypes
+from ckpt._geometry import Box
+from ckpt._memory import gc_paused
 from ckpt._options import Options, resolve
-from ckpt._restore.plan import plan_leaf_read
 
-# Reader, RestoreStats and the _Want helpers are imported from here by other readers.
-from ckpt._restore.read import RestoreStats, Reader
-from ckpt._restore.plan import ArrayMetadata, _want_for_mesh, _want_from_target, array_metadata, logical_shape  # noqa: F401
+# The door: what the layers above use from the restore besides restore and metadata.
+from ckpt._restore.orbax_source import OrbaxArrays, is_orbax, open_layout  # noqa: E402,F401
+from ckpt._restore.plan import (  # noqa: E402,F401
+    ArrayMetadata,
+    _want_for_mesh,
+    _want_from_target,
+    array_metadata,
+    batch_by_budget,
+    logical_shape,
+    plan_leaf_read,
+)
+from ckpt._restore.read import Reader, RestoreStats
+from ckpt._restore.safetensors_source import CODES, INDEX_NAME, META_KEY, SINGLE_NAME  # noqa: E402,F401
 from ckpt._restore.source import foreign_source, open_native
-from ckpt._format import display_path, leaf_components, match_target, unflatten
 from ckpt.storage import Storage, open_storage
-from ckpt._restore.orbax_source import OrbaxArrays, is_orbax, open_layout  # noqa: F401 (the door)
-from ckpt._restore.plan import batch_by_budget  # noqa: F401 (the door)
-from ckpt._restore.safetensors_source import CODES, INDEX_NAME, META_KEY, SINGLE_NAME  # noqa: F401 (the door)
 
 
 def read_regions(path, leaf_path: str, boxes: list[Box], *, verify: bool = True, options: Options | None = None
@@ -74,18 +77,19 @@ def with_budget(options: Options | None, host_budget_bytes: int | str | None) ->
 
 @gc_paused()
 def restore_with_stats(path, target=None, *, mesh=None, partial=False, verify=True,
-                       options: Options | None = None, host_budget_bytes: int | str | None = None
-                       ) -> tuple[Any, RestoreStats]:
+                       options: Options | None = None, host_budget_bytes: int | str | None = None,
+                       allow_lossy_cast: bool = False) -> tuple[Any, RestoreStats]:
     """``restore`` of a jax-ckpt checkpoint, with what the reader did (bytes, requests, budget)."""
     opts = resolve(with_budget(options, host_budget_bytes))
     with open_native(path, opts) as (storage, manifest):
         if manifest is None:
             manifest = read_manifest(storage)  # raises: says why there is no checkpoint here
-        return _restore_native(storage, manifest, target, mesh=mesh, partial=partial, verify=verify, options=opts)
+        return _restore_native(storage, manifest, target, mesh=mesh, partial=partial, verify=verify, options=opts,
+                               allow_lossy_cast=allow_lossy_cast)
 
 
 def _restore_native(storage: Storage, manifest: Manifest, target=None, *, mesh=None, partial=False, verify=True,
-                    options: Options | None = None) -> tuple[Any, RestoreStats]:
+                    options: Options | None = None, allow_lossy_cast: bool = False) -> tuple[Any, RestoreStats]:
     opts = resolve(options)
     if target is not None and mesh is not None:
         raise ValueError("pass either target or mesh, not both")
@@ -93,11 +97,11 @@ def _restore_native(storage: Storage, manifest: Manifest, target=None, *, mesh=N
     paths = ["/".join(c) for c in leaf_components(manifest.tree)]
     if target is None:
         pairs = [(i, None) for i in range(len(leaves))]
-        wants = [_want_for_mesh(i, leaves[i], mesh) if mesh is not None else _want_from_target(i, leaves[i], None)
-                 for i in range(len(leaves))]
+        wants = [_want_for_mesh(i, leaves[i], mesh, allow_lossy_cast) if mesh is not None
+                 else _want_from_target(i, leaves[i], None) for i in range(len(leaves))]
     else:
         treedef, pairs = match_target(target, paths, partial=partial)
-        wants = [_want_from_target(i, leaves[i], t) for i, t in pairs]
+        wants = [_want_from_target(i, leaves[i], t, allow_lossy_cast) for i, t in pairs]
     stats = RestoreStats()
     reader = Reader(storage, leaves, verify, stats, opts)
     built = reader.run([w for w in wants if w is not None])
@@ -108,9 +112,10 @@ def _restore_native(storage: Storage, manifest: Manifest, target=None, *, mesh=N
     return jtu.tree_unflatten(treedef, values), stats
 
 
+@gc_paused()
 def restore(path, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
             partial: bool = False, verify: bool = True, options: Options | None = None,
-            host_budget_bytes: int | str | None = None) -> Any:
+            host_budget_bytes: int | str | None = None, allow_lossy_cast: bool = False) -> Any:
     """Restore the checkpoint at `path`, under any sharding or mesh.
 
     Only the chunks that overlap the regions this process's devices need are read, and each is
@@ -133,10 +138,13 @@ def restore(path, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
         path (str | os.PathLike): a local path (``str``, ``pathlib.Path``), or a URL:
             ``file://``, ``memory://``, ``s3://``, ``gs://`` or any fsspec URL.
         target: a pytree like the saved one whose array leaves are ``jax.ShapeDtypeStruct``
-            (with a sharding), ``jax.Array``, a bare ``jax.sharding.Sharding`` or
+            (with a sharding), ``jax.Array``, a bare ``jax.sharding.Sharding``, a
+            ``jax.experimental.layout.Format`` (a layout and a sharding) or
             ``numpy.ndarray``. Each array comes back with that sharding (numpy for numpy
-            leaves); a different dtype casts. The result has the target's structure and node
-            types.
+            leaves), in the device layout the target asks for (a ``Format``, a
+            ``ShapeDtypeStruct`` whose sharding is a ``Format``, or an array's own layout;
+            otherwise the default one); a different dtype casts, within the rule of
+            `allow_lossy_cast`. The result has the target's structure and node types.
         mesh: instead of a target, every ``jax.Array`` comes back on this mesh with the
             PartitionSpec it was saved with, matched by axis name (safetensors tensors that
             ``ckpt export`` recorded no sharding for are replicated).
@@ -147,6 +155,16 @@ def restore(path, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
             place of ``options.host_budget_bytes`` (default: ``CKPT_HOST_BUDGET_BYTES``, else
             the built-in default of ``ckpt.Options``). A chunk larger than the budget is still
             read whole (once): the smallest piece a restore reads is one chunk.
+        allow_lossy_cast: cast to a target dtype even where values change beyond rounding
+            (as numpy's ``astype``). Without it such a cast raises ``CheckpointError``
+            naming the leaf: whatever the values, a float or complex to an integer or bool, a
+            complex to a real, an integer to bool (refused before any data is read); and,
+            checked on the values read, an integer that does not fit the target integer type
+            (narrowing, or signed <-> unsigned), or a finite value that would become infinite
+            or NaN in a float or complex type (float32 ``1e5`` to float16). Float widening and
+            narrowing, integer to float and bool to a number round at most and always pass.
+            A device array's dtype is what JAX holds: without ``jax_enable_x64``, a saved
+            int64 is placed as int32, so a value that does not fit is refused there too.
 
     Returns:
         The restored tree: the target's structure with ``jax.Array`` leaves; with `mesh`, the
@@ -160,8 +178,11 @@ def restore(path, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
         FileNotFoundError: nothing exists at `path`.
         CheckpointError: `path` is not a committed checkpoint, its manifest (or safetensors
             header) is damaged or of a newer format version, a chunk is missing or truncated,
-            a target shape differs from the saved one, or a saved PartitionSpec does not fit
-            `mesh`; the message names the leaf, chunk and file at fault.
+            a target shape differs from the saved one, a saved PartitionSpec does not fit
+            `mesh`, a cast would change values (see `allow_lossy_cast`), or a target asks for
+            a layout that cannot be restored into (``Layout.AUTO``, a ``Format`` without a
+            sharding, a layout that is not a permutation of the dimensions, a custom layout
+            for a PRNG key array); the message names the leaf, chunk and file at fault.
         ChecksumError: a chunk's bytes do not match its saved checksum.
         TreeMismatchError: the target's key paths differ from the saved ones (``.missing``,
             ``.unexpected``).
@@ -173,13 +194,17 @@ def restore(path, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
     opts = resolve(options)
     with open_native(path, opts) as (storage, manifest):
         if manifest is not None:
-            return _restore_native(storage, manifest, target, mesh=mesh, partial=partial, verify=verify, options=opts)[0]
+            return _restore_native(storage, manifest, target, mesh=mesh, partial=partial, verify=verify, options=opts,
+                                   allow_lossy_cast=allow_lossy_cast)[0]
     source = foreign_source(path, options, opts)
     if source is not None:
-        return source.restore(path, target, mesh=mesh, partial=partial, options=options)
-    return restore_with_stats(path, target, mesh=mesh, partial=partial, verify=verify, options=opts)[0]
+        return source.restore(path, target, mesh=mesh, partial=partial, options=options,
+                              allow_lossy_cast=allow_lossy_cast)
+    return restore_with_stats(path, target, mesh=mesh, partial=partial, verify=verify, options=opts,
+                              allow_lossy_cast=allow_lossy_cast)[0]
 
 
+@gc_paused()
 def metadata(path, *, options: Options | None = None) -> Any:
     """What a checkpoint holds, from its manifest alone: no array data is read, no device needed.
 

@@ -13,35 +13,36 @@ stored is refused as incomplete instead of being read.
 
 from __future__ import annotations
 
-import types
 import dataclasses
 import os
 import threading
+import types
 from typing import Any
 
 import jax
 import jax.tree_util as jtu
 import numpy as np
 import tensorstore as ts
+from jax.experimental.layout import Format
 
-from ckpt._format import dtypes as _dtypes
 from ckpt._errors import CheckpointError
+from ckpt._format import ARRAY_KINDS, NUMPY_SCALAR, PRNG_KEY, PY_STR, display_path, match_target, unflatten
+from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import Box, box_shape, box_to_index, chunk_grid, full_box, index_to_box
-from ckpt._format import ARRAY_KINDS, NUMPY_SCALAR, PRNG_KEY, PY_STR
-from ckpt._restore.plan import array_metadata
 from ckpt._options import Options, resolve
-from ckpt._orbax import Item, Layout, OrbaxLeaf, read_layout
-from ckpt._orbax import kind_of
-from ckpt._restore.plan import batch_by_budget
+from ckpt._orbax import Item, Layout, OrbaxLeaf, kind_of, read_layout
 from ckpt._restore.plan import (
     _key_data_sharding,
     _key_trailing,
     _Want,
     _want_for_mesh,
     _want_from_target,
+    array_metadata,
+    batch_by_budget,
+    cast_values,
+    held_note,
     logical_shape,
 )
-from ckpt._format import display_path, match_target, unflatten
 from ckpt.storage import location_text, open_storage
 
 _METADATA_KEYS = (".zarray", ".zattrs", ".zgroup", "zarr.json")
@@ -237,14 +238,18 @@ def _fill_record(leaf: OrbaxLeaf, store: Any) -> None:
 
 def _place(rec, want: _Want, regions: dict[Box, np.ndarray]) -> Any:
     for box, a in regions.items():
-        regions[box] = a if a.dtype == want.dtype else a.astype(want.dtype)
+        # The cast rule of every restore (plan.py, "casts"), on every region read.
+        regions[box] = a if a.dtype == want.dtype else cast_values(
+            a, want.dtype, display_path(rec.path), want.lossy_ok, held_note(want, a.dtype))
     if want.sharding is None:
         value = regions[full_box(rec.shape)]
         if rec.kind == PRNG_KEY:
             return jax.random.wrap_key_data(value, impl=rec.prng_impl)
         return value.item() if rec.kind == NUMPY_SCALAR else value  # Orbax restores scalars as numbers
     sharding = _key_data_sharding(want.sharding, rec) if rec.kind == PRNG_KEY else want.sharding
-    arr = jax.make_array_from_callback(rec.shape, sharding, lambda idx: regions[index_to_box(idx, rec.shape)],
+    # A layout the target asks for (plan._custom_layout; never for PRNG keys): placed in it.
+    where = sharding if want.layout is None else Format(want.layout, sharding)
+    arr = jax.make_array_from_callback(rec.shape, where, lambda idx: regions[index_to_box(idx, rec.shape)],
                                        dtype=want.dtype)
     return jax.random.wrap_key_data(arr, impl=rec.prng_impl) if rec.kind == PRNG_KEY else arr
 
@@ -282,7 +287,7 @@ def open_layout(path: Any, options: Options) -> Layout:
 
 
 def restore(path: Any, target: Any = None, *, mesh: jax.sharding.Mesh | None = None, partial: bool = False,
-            options: Options | None = None) -> Any:
+            options: Options | None = None, allow_lossy_cast: bool = False) -> Any:
     """``ckpt.restore`` of an Orbax checkpoint (see there; `verify` does not apply)."""
     if target is not None and mesh is not None:
         raise ValueError("pass either target or mesh, not both")
@@ -296,10 +301,10 @@ def restore(path: Any, target: Any = None, *, mesh: jax.sharding.Mesh | None = N
         treedef, pairs = match_target(target, [r.path for r in recs], partial=partial)
     arrays.open([i for i, _ in pairs])
     if target is None:
-        wants = [_want_for_mesh(i, recs[i], mesh) if mesh is not None else _want_from_target(i, recs[i], None)
-                 for i, _ in pairs]
+        wants = [_want_for_mesh(i, recs[i], mesh, allow_lossy_cast) if mesh is not None
+                 else _want_from_target(i, recs[i], None) for i, _ in pairs]
     else:
-        wants = [_want_from_target(i, recs[i], t) for i, t in pairs]
+        wants = [_want_from_target(i, recs[i], t, allow_lossy_cast) for i, t in pairs]
     built = _build(arrays, [w for w in wants if w is not None])
     values = [built[i] if i in built else recs[i].py_value() for i, _ in pairs]
     if target is None:

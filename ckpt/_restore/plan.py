@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import jax
+import ml_dtypes
 import numpy as np
+from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ckpt._errors import CheckpointError
@@ -94,6 +96,10 @@ class _Want:
     index: int
     sharding: jax.sharding.Sharding | None  # None: a numpy array on the host
     dtype: np.dtype  # logical dtype to return (of the key data for PRNG keys)
+    # A device layout other than the default one for the shard (jax.experimental.layout
+    # Layout); None: the default. Placed with Format(layout, device).
+    layout: Layout | None = None
+    lossy_ok: bool = False  # allow_lossy_cast: a cast is not checked (cast_values)
 
 
 def _key_trailing(impl: str) -> int:
@@ -118,13 +124,21 @@ def logical_shape(rec: LeafRecord) -> tuple[int, ...]:
     return rec.shape
 
 
-def _want_from_target(i: int, rec: LeafRecord, t: Any) -> _Want | None:
+def _want_from_target(i: int, rec: LeafRecord, t: Any, allow_lossy_cast: bool = False) -> _Want | None:
     if rec.kind not in ARRAY_KINDS:
         return None
     shape, name = logical_shape(rec), display_path(rec.path)
     saved_dtype = _dtypes.dtype_from_name(rec.dtype)
+    if isinstance(t, Format):
+        # jax.experimental.layout.Format(layout, sharding): as a bare sharding (the saved dtype),
+        # in that layout. Without a sharding there is nowhere to place it: refused, not numpy.
+        if t.sharding is None:
+            raise CheckpointError(f"leaf {name!r}: the target {t} has no sharding; a Format target needs "
+                                  "Format(layout, sharding) with a concrete sharding")
+        sharding = _concrete(t.sharding, name)
+        return _device_want(i, rec, sharding, saved_dtype, saved_dtype, t.layout, allow_lossy_cast)
     if isinstance(t, jax.sharding.Sharding):
-        return _Want(i, _concrete(t, name), saved_dtype)
+        return _device_want(i, rec, _concrete(t, name), saved_dtype, saved_dtype, None, allow_lossy_cast)
     if isinstance(t, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
         if tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"leaf {name!r}: target shape {tuple(t.shape)} does not match saved shape {tuple(shape)}")
@@ -133,10 +147,63 @@ def _want_from_target(i: int, rec: LeafRecord, t: Any) -> _Want | None:
             raise CheckpointError(f"leaf {name!r}: target dtype {t.dtype} but the checkpoint holds {rec.kind} {rec.dtype}")
         dtype = saved_dtype if is_key else np.dtype(t.dtype)
         if isinstance(t, np.ndarray):
-            return _Want(i, None, dtype)
+            _check_cast_kind(name, saved_dtype, dtype, allow_lossy_cast)
+            return _Want(i, None, dtype, lossy_ok=allow_lossy_cast)
         sharding = t.sharding or SingleDeviceSharding(jax.local_devices()[0])
-        return _Want(i, _concrete(sharding, name), dtype)
+        # A ShapeDtypeStruct made with sharding=Format(layout, ...) (or .like of an array), or an
+        # array in a layout: that layout, where it is not the device's default. (Typed key
+        # arrays have no format.)
+        layout = getattr(getattr(t, "format", None), "layout", None)
+        return _device_want(i, rec, _concrete(sharding, name), saved_dtype, dtype, layout, allow_lossy_cast)
     return _Want(i, None, saved_dtype)  # any other target leaf: as saved, on the host
+
+
+def _device_want(i: int, rec: LeafRecord, sharding: jax.sharding.Sharding, saved: np.dtype, asked: np.dtype,
+                 layout: Any, allow_lossy_cast: bool) -> _Want:
+    """A leaf placed on devices: in the dtype a device holds for `asked` (without
+    jax_enable_x64, 64-bit types are held in 32 bits: casting on the host checks the values,
+    where device_put would wrap them silently), in `layout` where it is not the default."""
+    name = display_path(rec.path)
+    dtype = np.dtype(jax.dtypes.canonicalize_dtype(asked))
+    _check_cast_kind(name, saved, dtype, allow_lossy_cast)
+    layout = _custom_layout(name, rec, sharding, dtype, layout)
+    return _Want(i, sharding, dtype, layout, allow_lossy_cast)
+
+
+@functools.lru_cache(maxsize=1024)
+def _default_layout(device, dtype: np.dtype, shard_shape: tuple[int, ...]) -> Layout:
+    """The layout `device` gives a shard by default (asked once per kind of shard: leaves of a
+    model share a handful)."""
+    try:
+        return Layout.from_pjrt_layout(device.client.get_default_layout(dtype, shard_shape, device))
+    except Exception:  # noqa: BLE001 (a backend that does not say, or a key dtype: row-major)
+        return Layout(tuple(range(len(shard_shape))))
+
+
+def _custom_layout(name: str, rec: LeafRecord, sharding: jax.sharding.Sharding, dtype: np.dtype,
+                   layout: Any) -> Layout | None:
+    """`layout` where it differs from the devices' default for this leaf's shards; None where it
+    is the default (placing with it would only add a copy) or not given. A layout that cannot
+    be restored into is refused naming the leaf."""
+    if layout is None:
+        return None
+    if not isinstance(layout, Layout):  # Layout.AUTO: the compiler's choice, not a layout to restore into
+        raise CheckpointError(f"leaf {name!r}: the target asks for layout {layout}; restore into a concrete "
+                              "jax.experimental.layout.Layout (or none: the default), then let jit relayout it")
+    shape = logical_shape(rec)
+    if sorted(layout.major_to_minor) != list(range(len(shape))):
+        raise CheckpointError(f"leaf {name!r}: layout major_to_minor={layout.major_to_minor} is not a permutation "
+                              f"of the {len(shape)} dimensions of shape {tuple(shape)}")
+    devices = sharding.addressable_devices or sharding.device_set
+    default = _default_layout(min(devices, key=lambda d: d.id), dtype, tuple(sharding.shard_shape(shape)))
+    # As jax compares a user's layout with a device's: without a tiling, by dimension order.
+    same = layout.major_to_minor == default.major_to_minor if not layout.tiling else layout == default
+    if same:
+        return None
+    if rec.kind == PRNG_KEY:
+        raise CheckpointError(f"leaf {name!r}: a PRNG key array restores in the default layout only "
+                              f"(the target asks for {layout})")
+    return layout
 
 
 def _concrete(sharding: jax.sharding.Sharding, name: str) -> jax.sharding.Sharding:
@@ -151,7 +218,8 @@ def _concrete(sharding: jax.sharding.Sharding, name: str) -> jax.sharding.Shardi
     return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
 
 
-def _want_for_mesh(i: int, rec: LeafRecord, mesh: jax.sharding.Mesh) -> _Want | None:
+def _want_for_mesh(i: int, rec: LeafRecord, mesh: jax.sharding.Mesh, allow_lossy_cast: bool = False
+                   ) -> _Want | None:
     if rec.kind not in ARRAY_KINDS:
         return None
     dtype = _dtypes.dtype_from_name(rec.dtype)
@@ -169,7 +237,115 @@ def _want_for_mesh(i: int, rec: LeafRecord, mesh: jax.sharding.Mesh) -> _Want | 
     why = mesh_fit_problem(shape, spec, names, tuple(mesh.shape[a] for a in names))
     if why is not None:
         raise CheckpointError(f"leaf {name!r}: {why}")
-    return _Want(i, NamedSharding(mesh, PartitionSpec(*spec)), dtype)
+    return _device_want(i, rec, NamedSharding(mesh, PartitionSpec(*spec)), dtype, dtype, None, allow_lossy_cast)
+
+
+# ---- casts ------------------------------------------------------------------------------
+# A target dtype other than the saved one casts (numpy's astype), unless the cast can change
+# values beyond rounding; then it is refused naming the leaf, unless allow_lossy_cast=True:
+# - by kind, whatever the values (refused before anything is read): a float or complex to an
+#   integer or bool (truncation; NaN and inf have no integer), a complex to a real (drops the
+#   imaginary part), an integer to bool (2 becomes True);
+# - by value (checked on the values read, every region of the leaf): an integer to an integer
+#   type whose range does not hold every value (narrowing, signed <-> unsigned with negatives
+#   or values over the signed maximum); any cast to a float or complex type where a finite value
+#   would become infinite or NaN (float32 -> float16 of 1e5; float8 without infinities).
+# Float widening and narrowing otherwise, integer -> float and bool -> anything round at most.
+# The dtype a device holds counts: without jax_enable_x64, int64 is placed as int32.
+
+
+@functools.lru_cache(maxsize=256)
+def _kind(dtype: np.dtype) -> str | None:
+    """'b', 'i' (signed), 'u' (unsigned), 'f' or 'c' (ml_dtypes' types included), or None."""
+    if dtype.kind in "biufc":
+        return dtype.kind
+    try:
+        ml_dtypes.finfo(dtype)
+        return "f"
+    except (TypeError, ValueError):
+        pass
+    try:
+        return "i" if ml_dtypes.iinfo(dtype).min < 0 else "u"
+    except (TypeError, ValueError):
+        return None
+
+
+def _refusal(name: str, saved: np.dtype, dtype: np.dtype, why: str, note: str = "") -> CheckpointError:
+    return CheckpointError(f"leaf {name!r}: casting saved {saved.name} to {dtype.name}{note} {why}; pass "
+                           "allow_lossy_cast=True to cast anyway")
+
+
+def held_note(want: _Want, saved: np.dtype) -> str:
+    """Why a leaf nobody asked to cast is cast: the dtype its device holds."""
+    held = np.dtype(jax.dtypes.canonicalize_dtype(saved))
+    if want.sharding is not None and want.dtype != saved and held == want.dtype:
+        return f" (a device array holds {want.dtype.name} without jax_enable_x64)"
+    return ""
+
+
+def _check_cast_kind(name: str, saved: np.dtype, dtype: np.dtype, allow: bool, note: str = "") -> None:
+    """The refusals by kind (the rule above), before anything is read."""
+    if allow or saved == dtype:
+        return
+    s, t = _kind(saved), _kind(dtype)
+    if s == "b":
+        return
+    if s is None or t is None:
+        raise _refusal(name, saved, dtype, "is not a cast between numbers", note)
+    if s in "fc" and t in "iub":
+        raise _refusal(name, saved, dtype, "would drop fractions, NaN and infinities (a float to an integer)", note)
+    if s == "c" and t == "f":
+        raise _refusal(name, saved, dtype, "would drop the imaginary part", note)
+    if t == "b":
+        raise _refusal(name, saved, dtype, "would turn every nonzero value into True", note)
+
+
+def _range(dtype: np.dtype) -> tuple[float, float]:
+    if _kind(dtype) in "iu":
+        info = ml_dtypes.iinfo(dtype)
+        return int(info.min), int(info.max)
+    top = float(ml_dtypes.finfo(dtype).max)
+    return -top, top
+
+
+def cast_values(a: np.ndarray, dtype: np.dtype, name: str, allow: bool, note: str = "") -> np.ndarray:
+    """`a` (the saved logical dtype) cast to `dtype`, refused (the rule above) where a value would
+    change beyond rounding, unless `allow`. Checks are reductions over `a` (no copies); only
+    where one finds a value out of a float type's range are both arrays compared in full."""
+    dtype = np.dtype(dtype)
+    saved = a.dtype
+    _check_cast_kind(name, saved, dtype, allow, note)
+    s, t = _kind(saved), _kind(dtype)
+    check = not allow and a.size and s != "b"
+    if check and s in "iu" and t in "iu":
+        lo, hi = _range(dtype)
+        slo, shi = _range(saved)
+        if slo < lo or shi > hi:
+            least, most = int(a.min()), int(a.max())
+            if least < lo or most > hi:
+                bad = most if most > hi else least
+                raise _refusal(name, saved, dtype, f"would change values: {bad} is outside {dtype.name}'s "
+                               f"range [{lo}, {hi}]", note)
+    with np.errstate(all="ignore"):  # overflow was refused above, or asked for
+        # (complex -> real, asked for: numpy's astype keeps the real part, and warns)
+        out = (a.real if s == "c" and t != "c" else a).astype(dtype)
+    if check and t in "fc" and _range(saved)[1] > _range(dtype)[1]:  # (widening: nothing to check)
+        _, top = _range(dtype)
+        parts = [(a, out)] if s != "c" else [(a.real, out.real), (a.imag, out.imag)]
+        if s != "c" and t == "c":
+            parts = [(a, out.real)]
+        for src, got in parts:
+            with np.errstate(invalid="ignore"):
+                most, least = float(src.max()), float(src.min())
+            if most <= top and least >= -top:  # (False for NaN: then compared in full)
+                continue
+            with np.errstate(invalid="ignore"):
+                bad = np.isfinite(src) & ~np.isfinite(got)
+            if bad.any():
+                value = src[np.unravel_index(int(np.argmax(bad)), bad.shape)]
+                raise _refusal(name, saved, dtype, f"would change values: {value} overflows {dtype.name} "
+                               f"(largest finite {top:g})", note)
+    return out
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from ckpt._format import dtypes as _dtypes
-from ckpt._format import chunk_checksum
 from ckpt._errors import CheckpointError, ChecksumError
-from ckpt._memory import PAGE, ReadBuffers
+from ckpt._format import PRNG_KEY, LeafRecord, chunk_checksum, display_path
+from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import (
     Box,
     box_shape,
@@ -43,15 +42,11 @@ from ckpt._geometry import (
     intersect,
     relative,
 )
-from ckpt._format import PRNG_KEY, LeafRecord
+from ckpt._memory import PAGE, ReadBuffers, aligned_empty
 from ckpt._options import Options
-from ckpt._restore.place import HostBudget, _Build, _Lease, _Piece, _split, _Unit
-from ckpt._restore.plan import _key_data_sharding, _Want
-from ckpt._restore.plan import LeafReadPlan, plan_leaf_read
-from ckpt._format import display_path
-from ckpt.storage import Storage
-from ckpt._memory import aligned_empty
-from ckpt.storage import Done
+from ckpt._restore.place import BATCH_PUT_MAX_BYTES, HostBudget, _Build, _Lease, _Piece, _split, _Unit
+from ckpt._restore.plan import LeafReadPlan, _key_data_sharding, _Want, cast_values, held_note, plan_leaf_read
+from ckpt.storage import Done, Storage
 
 
 @dataclass
@@ -62,6 +57,14 @@ class RestoreStats:
     per_leaf: dict = field(default_factory=dict)
     host_budget: int = 0
     host_high_water: int = 0  # most bytes of chunks and regions the reader held at once
+
+
+def _bounding_box(boxes: list[Box]) -> Box:
+    return tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(boxes[0])))
+
+
+def rec_itemsize(rec: LeafRecord) -> int:
+    return _dtypes.dtype_from_name(rec.dtype).itemsize
 
 
 class Reader:
@@ -152,6 +155,12 @@ class Reader:
             cost += n * np.dtype(want.dtype).itemsize
         return cost
 
+    def _small(self, nbytes: int) -> bool:
+        """Whether a leaf of `nbytes` (as read or as wanted, whichever is larger) is placed in one
+        batched transfer: its shards are then held until the last is read, so it must be small
+        against the budget too (a quarter of the limit batches are cut to)."""
+        return nbytes < min(BATCH_PUT_MAX_BYTES, self._limit // 4)
+
     def _unit(self, k: int, rec: LeafRecord, want: _Want, box: Box, region: Box) -> _Unit:
         pieces = self._pieces(k, rec, box)
         return _Unit(k, box, region, pieces, self._unit_cost(rec, want, box, pieces))
@@ -168,6 +177,13 @@ class Reader:
             return [self._unit(k, rec, want, inter, r) for r in regions
                     if (inter := r if tile is None else intersect(r, tile)) is not None]
 
+        if split and want.sharding is not None and len(regions) > 1:
+            # A small leaf is one unit, its regions' bounding box: read and assembled once, cut
+            # per device as it is placed (one make_array_from_callback; place._Build.whole), not
+            # one unit per device.
+            bound = _bounding_box(regions)
+            if self._small(box_size(bound) * max(rec_itemsize(rec), np.dtype(want.dtype).itemsize)):
+                return [[self._unit(k, rec, want, bound, bound)]]
         if not split or rec.zarr is None or not regions:
             return [units_of(None)]
         needed = {c.index for c in plan.chunks}
@@ -178,8 +194,7 @@ class Reader:
                           for c in chunks_overlapping(tile, rec.zarr.chunk_shape) if c in needed)
             return sources + max((u.cost for u in units), default=0) <= self._limit
 
-        bound = tuple((min(r[d][0] for r in regions), max(r[d][1] for r in regions)) for d in range(len(rec.shape)))
-        return [g for g in (units_of(t) for t in _split(bound, rec.zarr.chunk_shape, fits)) if g]
+        return [g for g in (units_of(t) for t in _split(_bounding_box(regions), rec.zarr.chunk_shape, fits)) if g]
 
     # ---- reading -----------------------------------------------------------------------
 
@@ -198,7 +213,11 @@ class Reader:
             self._count_plan(w, plan)
             mine = self._groups(k, w, plan, split=True)
             groups += mine
-            builds.append(_Build(self.leaves[w.index], w, sum(len(g) for g in mine)))
+            rec = self.leaves[w.index]
+            # One group is read and placed in one batch: its shards may wait for each other.
+            together = len(mine) == 1 and self._small(
+                plan.bytes_needed * max(1, np.dtype(w.dtype).itemsize // rec_itemsize(rec)))
+            builds.append(_Build(rec, w, sum(len(g) for g in mine), together))
         out: dict[int, Any] = {}
         for k, b in enumerate(builds):
             if b.left == 0:
@@ -237,20 +256,29 @@ class Reader:
             data, whole_chunk = self._assemble(u, get, lease)
             w = wants[u.k]
             data, converted = self._convert(self.leaves[w.index], w, data, lease)
-            made = builds[u.k].put(u, data, whole_chunk or converted, lease)
+            build = builds[u.k]
+            made = build.put(u, data, whole_chunk or converted, lease)
             del data
             # Host buffers handed to device_put stay alive until the copies finish. A unit's
             # own copies are given back once placed (a batch holds its sources and one unit's
             # copies at a time); a unit placed straight from its sources is waited for at the
             # end of the batch, so that the copies to the devices overlap the reads still
-            # arriving.
-            if lease.taken:
+            # arriving. A small shard waits for the rest of its leaf (made is None), its lease
+            # kept until the leaf is placed.
+            if made is not None and lease.taken:
                 jax.block_until_ready(made)
                 lease.close()
-            else:
+            elif made is not None:
                 pending += made
-            if builds[u.k].left == 0:
-                out[w.index] = builds[u.k].value()
+            if build.left == 0:
+                out[w.index] = value = build.value()
+                if build.leases:
+                    jax.block_until_ready(value)
+                    for held in build.leases:
+                        held.close()
+                    build.leases = []
+                elif isinstance(value, jax.Array):
+                    pending.append(value)
         jax.block_until_ready(pending)
 
     def read(self, plans: list[LeafReadPlan]) -> dict[int, dict[Box, np.ndarray]]:
@@ -327,12 +355,15 @@ class Reader:
         return out, False
 
     def _convert(self, rec: LeafRecord, want: _Want, a: np.ndarray, lease) -> tuple[np.ndarray, bool]:
-        b = _dtypes.from_storage(a, _dtypes.dtype_from_name(rec.dtype))
+        saved = _dtypes.dtype_from_name(rec.dtype)
+        b = _dtypes.from_storage(a, saved)
         copied = not np.may_share_memory(a, b)
         if copied:
             lease.take(b.nbytes)
         if b.dtype != want.dtype:
-            b = b.astype(want.dtype)
+            # Refused where values would change beyond rounding (plan.py, "casts"): checked on
+            # every unit, so a shard streamed in pieces is checked in every piece.
+            b = cast_values(b, want.dtype, display_path(rec.path), want.lossy_ok, held_note(want, saved))
             lease.take(b.nbytes)
             copied = True
         return b, copied

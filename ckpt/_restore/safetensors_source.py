@@ -10,15 +10,23 @@ that match shapes, offsets inside the file that cover the data exactly once.
 
 A restore reads through restore's own reader (``ckpt._restore.Reader``): each tensor is given a
 chunk grid cut at the boundaries of the regions this process's devices need (so a process reads
-only its part) and a chunk is read as the byte ranges of its rows (``storage._ranges``).
+only its part) and a chunk is read as the byte ranges of its rows (``Storage.read_range``, confined
+like every read of the storage).
+
+Symbolic links: a link among the files is followed only when its target stays under the root
+the files are read from (``Storage.read_range``); that root is the directory named (or the
+named file's), except in a Hugging Face cache snapshot (``<repo>/snapshots/<revision>/``, beside a
+``<repo>/blobs/`` directory), whose files are links into ``blobs/``: there the root is ``<repo>``.
 """
 
 from __future__ import annotations
 
-import types
+import contextlib
 import json
 import math
 import os
+import threading
+import types
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,17 +34,24 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from ckpt._format import dtypes as _dtypes
 from ckpt._errors import CheckpointError
+from ckpt._format import (
+    DICT,
+    LEAF,
+    MANIFEST_NAME,
+    InlineStorage,
+    LeafRecord,
+    ZarrStorage,
+    check_sharding,
+    leaf_components,
+    match_target,
+    unflatten,
+)
+from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import Box, box_shape, chunk_box, chunk_grid, index_to_box
-from ckpt._format import InlineStorage, LeafRecord, ZarrStorage
-from ckpt._format import check_sharding
-from ckpt._options import Options, resolve
-from ckpt._format import DICT, LEAF, leaf_components, match_target, unflatten
-from ckpt._format import MANIFEST_NAME
 from ckpt._memory import aligned_empty
-from ckpt.storage import location_text, open_storage
-from ckpt.storage import RangeReader
+from ckpt._options import Options, resolve
+from ckpt.storage import Storage, location_text, open_storage
 
 # safetensors dtype codes and the numpy/ml_dtypes names they are (byte-sized types only: the
 # packed 4- and 6-bit types F4, F6_E2M3, F6_E3M2 are refused).
@@ -70,6 +85,35 @@ class Tensor:
     offset: int  # of its first byte in the file
     nbytes: int
     sharding: dict | None = None  # recorded by `ckpt export` (a manifest sharding record)
+
+
+class RangeReader:
+    """Byte ranges of the objects below one location, through the Storage interface alone
+    (``size``, ``read_range``: confined like every read); thread-safe; counts what it reads.
+    The storage is pinned (``Storage.pin``) until ``close()``."""
+
+    def __init__(self, storage: Storage):
+        self._pin = contextlib.ExitStack()
+        self.storage = self._pin.enter_context(storage.pin())
+        self.bytes_read = 0
+        self.reads = 0
+        self._lock = threading.Lock()
+
+    def size(self, key: str) -> int | None:
+        """The object's size in bytes; None where the engine cannot tell without reading it."""
+        return self.storage.size(key)
+
+    def read(self, key: str, offset: int, nbytes: int, out: np.ndarray | None = None) -> np.ndarray:
+        """`nbytes` bytes of object `key` from `offset`, into `out` (uint8, at least `nbytes`
+        long) or a fresh buffer. CheckpointError naming the object when it ends before."""
+        buf = self.storage.read_range(key, offset, nbytes, None if out is None else out[:nbytes])
+        with self._lock:
+            self.bytes_read += nbytes
+            self.reads += 1
+        return buf
+
+    def close(self) -> None:
+        self._pin.close()
 
 
 @dataclass
@@ -184,10 +228,20 @@ def _read_file(reader: RangeReader, file: str) -> list[Tensor]:
 
 
 def _index_files(reader: RangeReader, index: str) -> dict[str, list[str]]:
-    """{shard file: [tensor names]} from a model.safetensors.index.json."""
+    """{shard file: [tensor names]} from a model.safetensors.index.json (keys: names below the
+    index's directory)."""
     where = reader.storage.where(index)
+    # Read as a range (a Hugging Face cache's index is a link into blobs/, which get() refuses).
+    size = reader.size(index)
+    if size is None:
+        text = reader.storage.get(index, max_bytes=MAX_INDEX_BYTES)
+    elif size > MAX_INDEX_BYTES:
+        raise CheckpointError(f"{where}: not a valid safetensors index: {size} bytes, more than the "
+                              f"{MAX_INDEX_BYTES} bytes an index may hold")
+    else:
+        text = reader.read(index, 0, size).tobytes()
     try:
-        doc = json.loads(reader.storage.get(index, max_bytes=MAX_INDEX_BYTES), object_pairs_hook=_no_duplicates)
+        doc = json.loads(text, object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{where}: not a valid safetensors index: not JSON ({e})") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
@@ -201,6 +255,19 @@ def _index_files(reader: RangeReader, index: str) -> dict[str, list[str]]:
                                   "name in the index's directory")
         files.setdefault(file, []).append(name)
     return files
+
+
+def _root_of(directory: str) -> tuple[str, str]:
+    """(the root files are read from, the directory's key prefix below it): the directory
+    itself, or for a Hugging Face cache snapshot (``<repo>/snapshots/<rev>`` beside
+    ``<repo>/blobs``) the repo, so that its links into ``blobs/`` stay under the root."""
+    if "://" not in directory:
+        snapshots = os.path.dirname(directory)
+        repo = os.path.dirname(snapshots)
+        if (os.path.basename(snapshots) == "snapshots" and os.path.basename(directory)
+                and os.path.isdir(os.path.join(repo, "blobs"))):
+            return repo, f"snapshots/{os.path.basename(directory)}/"
+    return directory, ""
 
 
 def _split(text: str) -> tuple[str, str]:
@@ -236,26 +303,29 @@ def open_tensors(location: Any, options: Options | None = None) -> TensorSet:
     text = location_text(location)
     index = single = None
     if text.endswith(SUFFIX + ".index.json"):
-        root, index = _split(text)
+        directory, index = _split(text)
     elif text.endswith(SUFFIX):
-        root, single = _split(text)
+        directory, single = _split(text)
     else:
-        root = text
-    storage = open_storage(root, opts)
-    reader = RangeReader(storage)
+        directory = text
+    root, prefix = _root_of(directory)
+    reader = RangeReader(open_storage(root, opts))
+    storage = reader.storage
     try:
         if index is None and single is None:
-            objects = storage.list_dir("")[0]
+            objects = storage.list_dir(prefix)[0]
             if INDEX_NAME in objects:
                 index = INDEX_NAME
             elif not any(n.endswith(SUFFIX) for n in objects):
-                raise FileNotFoundError(2, "no .safetensors files or index here", storage.url)
+                raise FileNotFoundError(2, "no .safetensors files or index here", storage.where(prefix.rstrip("/")))
         if single is not None:
             files = {single: None}
         elif index is not None:
-            files = _index_files(reader, index)
+            files = _index_files(reader, prefix + index)
         else:
-            files = {n: None for n in storage.list_dir("")[0] if n.endswith(SUFFIX)}
+            files = {n: None for n in storage.list_dir(prefix)[0] if n.endswith(SUFFIX)}
+        files = {prefix + n: listed for n, listed in files.items()}
+        index = None if index is None else prefix + index
         tensors: list[Tensor] = []
         seen: dict[str, str] = {}
         for file, listed in files.items():
@@ -277,7 +347,7 @@ def open_tensors(location: Any, options: Options | None = None) -> TensorSet:
     except BaseException:
         reader.close()
         raise
-    where = storage.where(single or index or "")
+    where = storage.where(index or (prefix + single if single else prefix.rstrip("/")))
     return TensorSet(reader, where, sorted(tensors, key=lambda t: t.name))
 
 
@@ -390,11 +460,11 @@ def _boxes(want, rec: LeafRecord) -> list[Box]:
 
 
 def restore_with_stats(location: Any, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
-                       partial: bool = False, options: Options | None = None):
+                       partial: bool = False, options: Options | None = None, allow_lossy_cast: bool = False):
     """``ckpt.restore`` of safetensors (see ``restore``); also returns the RestoreStats and the
     RangeReader's byte count."""
-    from ckpt._restore.read import RestoreStats, Reader
     from ckpt._restore.plan import _want_for_mesh, _want_from_target
+    from ckpt._restore.read import Reader, RestoreStats
 
     if target is not None and mesh is not None:
         raise ValueError("pass either target or mesh, not both")
@@ -406,11 +476,11 @@ def restore_with_stats(location: Any, target: Any = None, *, mesh: jax.sharding.
         paths = ["/".join(c) for c in leaf_components(tree)]
         if target is None:
             pairs = [(i, None) for i in range(len(leaves))]
-            wants = [_want_for_mesh(i, r, mesh) if mesh is not None else _want_from_target(i, r, None)
-                     for i, r in enumerate(leaves)]
+            wants = [_want_for_mesh(i, r, mesh, allow_lossy_cast) if mesh is not None
+                     else _want_from_target(i, r, None) for i, r in enumerate(leaves)]
         else:
             treedef, pairs = match_target(target, paths, partial=partial)
-            wants = [_want_from_target(i, leaves[i], t) for i, t in pairs]
+            wants = [_want_from_target(i, leaves[i], t, allow_lossy_cast) for i, t in pairs]
         wants = [w for w in wants if w is not None]
         for w in wants:
             rec = leaves[w.index]
@@ -429,18 +499,20 @@ def restore_with_stats(location: Any, target: Any = None, *, mesh: jax.sharding.
 
 
 def restore(location: Any, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
-            partial: bool = False, options: Options | None = None) -> Any:
+            partial: bool = False, options: Options | None = None, allow_lossy_cast: bool = False) -> Any:
     """Tensors named 'a.b.c' come back as the tree {'a': {'b': {'c': ...}}}; a target's key
     paths match those names. With `mesh`, tensors ``ckpt export`` recorded a sharding for take
     its PartitionSpec; others are replicated over the mesh."""
-    return restore_with_stats(location, target, mesh=mesh, partial=partial, options=options)[0]
+    return restore_with_stats(location, target, mesh=mesh, partial=partial, options=options,
+                              allow_lossy_cast=allow_lossy_cast)[0]
 
 
 def metadata(location: Any, options: Options | None = None) -> Any:
     """The tree of ArrayMetadata of safetensors, from the headers alone."""
-    from ckpt._restore.plan import ArrayMetadata
-    from ckpt._geometry import ShardingInfo
     from jax.sharding import PartitionSpec
+
+    from ckpt._geometry import ShardingInfo
+    from ckpt._restore.plan import ArrayMetadata
 
     tset = open_tensors(location, options)
     tset.reader.close()
@@ -452,7 +524,7 @@ def metadata(location: Any, options: Options | None = None) -> Any:
             shape=tuple(t.shape), dtype=_dtypes.dtype_from_name(t.dtype),
             mesh_axis_names=info.axis_names if named else None, mesh_axis_sizes=info.axis_sizes if named else None,
             partition_spec=PartitionSpec(*info.spec) if named else None, chunk_shape=None, nbytes=t.nbytes,
-            kind="jax.Array" if named else "numpy.ndarray", storage_path=t.file,
+            kind="jax.Array" if named else "numpy.ndarray", storage_path=t.file.rsplit("/", 1)[-1],
         ))
     return unflatten(tree_of([t.name for t in tset.tensors], tset.where), values)
 

@@ -4,34 +4,89 @@ background. ``save`` is ``save_async(...).wait()``; there is one save path.
 
 from __future__ import annotations
 
+import atexit
+
+# Imported here so that its exit hook (which stops the shared I/O pools) is registered before
+# ours: threading runs these hooks last registered first, so pending saves finish first.
+import concurrent.futures.thread  # noqa: F401
 import dataclasses
 import errno
 import hashlib
-import math
+import logging
+import os
 import queue
+import sys
 import threading
+import time
+import traceback
+import weakref
 from typing import Any
 
-import crc32c
 import msgpack
 import numpy as np
 
-from ckpt._memory import gc_paused
-from ckpt._save.commit import Coordinator, commit_checkpoint, current_coordinator
-from ckpt._save.plan import Leaf, array_shards, describe, finish_array_records, pack_records
 from ckpt._errors import CheckpointError
-from ckpt._geometry import chunk_grid, chunk_key
-from ckpt._format import STACKS_VERSION, LeafRecord, Manifest, Stack, StackedStorage
+from ckpt._format import LeafRecord, Stack, StackedStorage, flatten, storage_paths
+from ckpt._geometry import chunk_grid
+from ckpt._memory import gc_paused
 from ckpt._options import Options, resolve, save_chunk_cap
-from ckpt._save.plan import STACK_CHUNK_BYTES, SavePlan, plan_save
-from ckpt._save.stage import SaveBudget, StagingAborted, stage
-from ckpt._format import flatten, storage_paths
+
+# The door: convert commits as a save does, writing the same groups.
+from ckpt._save.commit import (  # noqa: F401
+    Coordinator,
+    after_failed_commit,
+    commit_checkpoint,
+    commit_written,
+    current_coordinator,
+    group_paths,
+)
+from ckpt._save.plan import (
+    STACK_CHUNK_BYTES,
+    Leaf,
+    SavePlan,
+    array_shards,
+    describe,
+    finish_array_records,
+    pack_records,
+    plan_save,
+)
+from ckpt._save.stage import (
+    SaveBudget,
+    StagingAborted,
+    release_host_memory,  # noqa: F401 (the door)
+    stage,
+)
 from ckpt._save.write import END, _write_chunks, array_specs
-from ckpt._format import ArraySpec
-from ckpt.storage import Staged, Storage, open_storage
-from ckpt._format import GROUP_METADATA, array_metadata_bytes
-from ckpt.storage import NotDurableError
-from ckpt._save.stage import release_host_memory  # noqa: F401 (the door)
+from ckpt.storage import NotDurableError, OutcomeUnknownError, Staged, Storage, open_storage
+
+_log = logging.getLogger("ckpt")
+
+# Seconds the interpreter's exit waits for pending saves before it says so on stderr.
+EXIT_NOTICE_S = 2.0
+
+
+class _Cancel:
+    """Whether a save was cancelled, and whether it is past the point where it still can be (its
+    commit): one lock, so that a cancel and the commit never both happen."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requested = False
+        self.committing = False
+
+    def request(self) -> bool:
+        with self._lock:
+            if not self.committing:
+                self.requested = True
+            return self.requested
+
+    def may_commit(self) -> bool:
+        """Pass the point of no return, unless cancelled first."""
+        with self._lock:
+            if not self.requested:
+                self.committing = True
+            return not self.requested
+
 
 class SaveHandle:
     """A save in progress, as ``save_async`` returns it (not constructed directly).
@@ -39,15 +94,24 @@ class SaveHandle:
     The host copies are already taken when it is returned: the saved arrays may be donated,
     deleted or overwritten. The rest of the save (writes, commit) runs on a background thread.
 
+    A save nobody waits for still completes: when the interpreter exits, it waits for pending
+    saves first (saying so on stderr after 2 s); a save that fails then is reported on stderr
+    with its traceback and the exit status is 1. A handle whose save failed and that is dropped
+    without ``wait()`` logs a warning (logger ``ckpt``) naming the path.
+
     Attributes:
         path: the checkpoint's location, as shown in messages.
     """
 
-    def __init__(self, path: str, work) -> None:
+    def __init__(self, path: str, work, cancel: _Cancel | None = None) -> None:
         self.path = path
         self._error: BaseException | None = None
+        self._observed = False  # wait() raised the error: the caller knows
+        self._cancel = cancel or _Cancel()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(work,), name="ckpt-save")
+        with _handles_lock:
+            _handles.add(self)
         self._thread.start()
 
     def _run(self, work) -> None:
@@ -66,8 +130,27 @@ class SaveHandle:
         """
         return self._done.is_set()
 
+    def cancel(self) -> bool:
+        """Stop the save unless it is already committing. Never blocks.
+
+        A cancelled save issues no more writes, lets those in flight end, removes its staged
+        data and commits nothing; ``wait()`` then raises ``CheckpointError`` ("cancelled"). In a
+        multi-process job the whole save is cancelled (every process's ``wait()`` raises).
+        Ctrl-C (KeyboardInterrupt) during ``wait()`` cancels the same way.
+
+        Returns:
+            True if the save commits nothing (cancelled now or before, or it failed before its
+            commit); False if it had already begun its commit (``wait()`` says how that ended).
+        """
+        return self._cancel.request()
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until the checkpoint is committed.
+
+        Ctrl-C (KeyboardInterrupt) while waiting cancels the save (see ``cancel``): once its
+        writes in flight have ended and its staged data is removed, the KeyboardInterrupt is
+        re-raised and nothing is committed (unless the commit had already begun: it then ends
+        first, committed or failed).
 
         Args:
             timeout: seconds to wait at most; None waits as long as the save takes.
@@ -75,13 +158,130 @@ class SaveHandle:
         Raises:
             TimeoutError: the save is still running after `timeout` seconds (it goes on).
             CheckpointError: the save failed in the background (re-raised with its original
-                traceback); nothing was committed. Also ``OSError`` from the storage and
+                traceback; a failure of the storage is its ``__cause__``), or it was cancelled;
+                nothing was committed. Also ``OSError`` from the storage and
                 ``FileExistsError`` when another save committed at `path` first.
         """
-        if not self._done.wait(timeout):
+        try:
+            finished = self._done.wait(timeout)
+        except KeyboardInterrupt:
+            # The caller gives up on this save: it must not commit later behind its back (say
+            # while the interpreter exits). A second Ctrl-C stops this wait; the cleanup goes on.
+            self.cancel()
+            self._done.wait()
+            raise
+        if not finished:
             raise TimeoutError(f"save to {self.path} still running after {timeout} s")
         if self._error is not None:
+            self._observed = True
             raise self._error
+
+    def _unreported_failure(self) -> BaseException | None:
+        """The error of a save that failed, was not cancelled, and whose error nobody saw."""
+        if self._done.is_set() and self._error is not None and not self._observed and not self._cancel.requested:
+            return self._error
+        return None
+
+    def __del__(self) -> None:
+        try:
+            error = self._unreported_failure()
+            if error is None:
+                return
+            self._observed = True
+            _log.warning("jax-ckpt: the save to %s failed and was never waited on (its SaveHandle was dropped "
+                         "without wait()): %s", self.path, _describe(error))
+        except Exception:  # (a handle whose __init__ failed; or the interpreter is tearing down)
+            pass
+
+
+def _describe(e: BaseException) -> str:
+    """``Type: text``, or ``Type`` alone for an exception without text."""
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+# Every SaveHandle alive (a running save's thread holds its handle), for the exit hook.
+_handles: "weakref.WeakSet[SaveHandle]" = weakref.WeakSet()
+_handles_lock = threading.Lock()
+_exit_failed = False  # a save failed (or was interrupted) at exit: the exit status becomes 1
+
+
+def _saves(n: int) -> str:
+    return f"{n} save" if n == 1 else f"{n} saves"
+
+
+def _finish_at_exit() -> None:
+    """Run when the main thread has ended, before concurrent.futures stops the I/O pools and
+    before the interpreter joins its threads: every pending save (not cancelled) finishes now,
+    announced on stderr after EXIT_NOTICE_S; Ctrl-C meanwhile cancels them. Then every failure
+    nobody saw is printed on stderr with its traceback, and the exit status becomes 1
+    (``_exit_status``). Never raises: an exception here would skip the other exit hooks."""
+    global _exit_failed
+    try:
+        with _handles_lock:
+            handles = list(_handles)
+        pending = [h for h in handles if not h.done() and not h._cancel.requested]
+        try:
+            deadline = time.monotonic() + EXIT_NOTICE_S
+            for h in pending:
+                h._done.wait(max(0.0, deadline - time.monotonic()))
+            left = [h for h in pending if not h.done()]
+            if left:
+                print(f"jax-ckpt: waiting for {_saves(len(left))} in progress to "
+                      f"{', '.join(h.path for h in left)} before exiting (Ctrl-C cancels)",
+                      file=sys.stderr, flush=True)
+                for h in left:
+                    h._done.wait()
+        except KeyboardInterrupt:
+            left = [h for h in pending if not h.done() and h.cancel()]
+            if left:
+                _exit_failed = True
+                print(f"jax-ckpt: interrupted while exiting: cancelled {_saves(len(left))} in progress to "
+                      f"{', '.join(h.path for h in left)}; nothing of {'it' if len(left) == 1 else 'them'} "
+                      "is committed", file=sys.stderr, flush=True)
+            try:
+                for h in left:
+                    h._done.wait()  # (their staged data is being removed)
+            except KeyboardInterrupt:
+                pass
+        for h in handles:
+            error = h._unreported_failure()
+            if error is None:
+                continue
+            h._observed = True
+            _exit_failed = True
+            when = "while the interpreter was exiting" if h in pending else "and was never waited on"
+            print(f"jax-ckpt: the save to {h.path} failed {when} (the program did not wait() for it):\n"
+                  + "".join(traceback.format_exception(error)).rstrip(), file=sys.stderr, flush=True)
+    except BaseException as e:  # noqa: BLE001 (see the docstring)
+        try:
+            print(f"jax-ckpt: finishing pending saves at exit failed: {_describe(e)}", file=sys.stderr, flush=True)
+        except BaseException:  # noqa: BLE001
+            pass
+
+
+def _exit_status() -> None:
+    """The exit status of a program whose save failed at exit: 1. Registered with atexit when this
+    module is imported, so it runs after the exit handlers registered later; os._exit (there is
+    no other way to change the status once the program's code has ended) skips those registered
+    before jax-ckpt was imported, so logging and the standard streams are flushed here first."""
+    if not _exit_failed:
+        return
+    try:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+    finally:
+        os._exit(1)
+
+
+try:
+    # The hook concurrent.futures registers too (imported above, so ours runs before it).
+    threading._register_atexit(_finish_at_exit)
+    atexit.register(_exit_status)
+except (AttributeError, RuntimeError):  # another Python; or imported while the interpreter exits
+    pass
 
 
 def _fingerprint(final: str, overwrite: bool, tree: dict, leaves: list[Leaf], plan: SavePlan) -> bytes:
@@ -215,11 +415,11 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
                 mine.append(storage.stage(overwrite=overwrite))
                 return msgpack.packb({"staged": mine[0].info})
             except OSError as e:
-                return msgpack.packb({"errno": e.errno, "error": f"{e.strerror}: {e.filename}"})
+                return msgpack.packb({"errno": e.errno, "error": str(e.strerror)})
 
         decision = msgpack.unpackb(coord.broadcast(f"{save_id}/prepare", prepare))
         if "staged" not in decision:
-            raise OSError(decision["errno"], decision["error"].split(": ")[0], final)
+            raise OSError(decision["errno"], decision["error"], final)
         staged = mine[0] if mine else storage.staged_from(decision["staged"])
     except BaseException:
         coord.end_save(save_id)
@@ -232,7 +432,7 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
     # for the copies to end.
     pressed = sum(w.nbytes for w in my_writes) > budget.limit
     job = _SaveJob(coord, save_id, storage, staged, overwrite, encoding, leaves, user_metadata, opts, stacks)
-    handle = SaveHandle(final, lambda: job.run(chunks, copied, budget, pressed))
+    handle = SaveHandle(final, lambda: job.run(chunks, copied, budget, pressed), job.cancel)
     handle._budget = budget  # (read by tests: its high-water mark)
     try:
         for item in stage({i: l.source for i, l in enumerate(leaves)}, my_writes, budget):
@@ -279,6 +479,39 @@ def save(path, tree: Any, *, overwrite: bool = False, options: Options | None = 
                max_chunk_bytes=max_chunk_bytes).wait()
 
 
+def _cancelled(final: str) -> CheckpointError:
+    return CheckpointError(f"save to {final} was cancelled (SaveHandle.cancel(), or Ctrl-C during wait()): "
+                           "nothing was committed and its staged data is removed")
+
+
+class _StopOnCancel:
+    """The staged storage as the writer sees it: once the save is cancelled, every further write
+    raises the cancellation, so the writer stops issuing writes, lets those in flight end and
+    fails (its failure path), and the primary then removes the staged data."""
+
+    def __init__(self, storage: Storage, cancel: _Cancel, final: str) -> None:
+        self._storage, self._cancel, self._final = storage, cancel, final
+
+    def __getattr__(self, name: str):
+        return getattr(self._storage, name)
+
+    def _check(self) -> None:
+        if self._cancel.requested:
+            raise _cancelled(self._final)
+
+    def write_chunk(self, *args):
+        self._check()
+        return self._storage.write_chunk(*args)
+
+    def create_array(self, *args):
+        self._check()
+        return self._storage.create_array(*args)
+
+    def put_group(self, *args):
+        self._check()
+        return self._storage.put_group(*args)
+
+
 class _SaveJob:
     """The background part of one save: write this process's chunks, exchange reports, commit."""
 
@@ -288,6 +521,7 @@ class _SaveJob:
         self.coord, self.save_id, self.storage, self.staged = coord, save_id, storage, staged
         self.overwrite, self.encoding, self.leaves = overwrite, encoding, leaves
         self.user_metadata, self.options, self.stacks = user_metadata, options, list(stacks)
+        self.cancel = _Cancel()  # SaveHandle.cancel()
 
     def run(self, chunks: queue.Queue, copied: threading.Event, budget: SaveBudget, pressed: bool) -> None:
         try:
@@ -309,12 +543,17 @@ class _SaveJob:
         error: BaseException | None = None
         sums: dict = {}
         try:
-            sums = _write_chunks(self.staged.storage, self.leaves, chunks, primary, copied, budget,
-                                 self.options.max_inflight_bytes, self.staged.prefix, self.stacks, pressed)
+            sums = _write_chunks(_StopOnCancel(self.staged.storage, self.cancel, final), self.leaves, chunks,
+                                 primary, copied, budget, self.options.max_inflight_bytes, self.staged.prefix,
+                                 self.stacks, pressed)
         except BaseException as e:
             error = e
+        # The point of no return: past it, cancel() refuses; before it, a cancel (here, or on
+        # any process: its error reaches the primary) makes the primary abort the save.
+        if error is None and not self.cancel.may_commit():
+            error = _cancelled(final)
         status = msgpack.packb(
-            {"error": None if error is None else f"{type(error).__name__}: {error}",
+            {"error": None if error is None else _describe(error),
              "sums": [[leaf, flat, crc] for leaf, m in sums.items() for flat, crc in m.items()]},
             use_bin_type=True,
         )
@@ -326,6 +565,9 @@ class _SaveJob:
                 raise CheckpointError(f"save to {final} failed, nothing committed: {e}") from None
             raise CheckpointError(f"save to {final} failed: {e}") from None
         statuses = [msgpack.unpackb(s, strict_map_key=False) for s in gathered]
+        # The storage's own exception when this process's commit failed: the cause of the error
+        # raised here (the other processes only learn its text).
+        commit_error: list[BaseException] = []
 
         def commit() -> bytes:
             failed = {p: s["error"] for p, s in enumerate(statuses) if s["error"]}
@@ -338,14 +580,12 @@ class _SaveJob:
             except NotDurableError as e:  # committed: nothing to abort, the save succeeded
                 return msgpack.packb({"error": None, "not_durable": str(e)})
             except BaseException as e:
-                # A lost race (another save committed here first) stays a FileExistsError. Where
-                # the manifest write may have landed (a put whose answer was lost), deleting the
-                # staged data could break a committed checkpoint; data that no manifest points to
-                # is only a leftover, so it stays.
-                if self.storage.renames or isinstance(e, FileExistsError):
-                    self._abort()
-                return msgpack.packb({"error": f"commit failed: {type(e).__name__}: {e}",
-                                      "exists": isinstance(e, FileExistsError)})
+                commit_error.append(e)
+                # A lost race (another save committed here first) stays a FileExistsError.
+                after_failed_commit(self.storage, self.staged, e)
+                return msgpack.packb({"error": f"commit failed: {_describe(e)}",
+                                      "exists": isinstance(e, FileExistsError),
+                                      "unknown": isinstance(e, OutcomeUnknownError) or not isinstance(e, Exception)})
 
         try:
             outcome = msgpack.unpackb(coord.broadcast(f"{self.save_id}/commit", commit))
@@ -356,18 +596,24 @@ class _SaveJob:
             ) from None
         if error is not None:
             raise error
+        cause = commit_error[0] if commit_error else None
         if outcome.get("exists"):
             raise FileExistsError(
                 errno.EEXIST, "another save committed a checkpoint here first; this one committed nothing "
-                "(pass overwrite=True to replace it)", final)
+                "(pass overwrite=True to replace it)", final) from cause
+        if outcome.get("unknown"):
+            # The manifest write may have landed: nothing the save wrote was deleted.
+            raise OutcomeUnknownError(
+                f"save to {final}: the outcome of its commit is unknown (committed or not): {outcome['error']}; "
+                f"nothing it wrote was deleted: check for {final} (ckpt ls, ckpt verify) before relying on it"
+            ) from cause
         if outcome["error"]:
-            raise CheckpointError(f"save to {final} failed, nothing committed: {outcome['error']}")
+            raise CheckpointError(f"save to {final} failed, nothing committed: {outcome['error']}") from cause
         if outcome.get("not_durable"):
             raise NotDurableError(outcome["not_durable"])
 
     def _commit(self, statuses: list[dict]) -> None:
-        from ckpt._version import __version__
-
+        """Gather every process's chunk checksums into the records, then commit_written."""
         collected: dict[int, dict[int, int]] = {}
         for s in statuses:
             for array, flat, crc in s["sums"]:
@@ -396,37 +642,6 @@ class _SaveJob:
                                          chunk_checksums=tuple(got[k] for k in range(n)))
                 rec = LeafRecord(rec.path, rec.kind, rec.shape, rec.dtype, rec.sharding, st, rec.value, rec.prng_impl)
             records.append(rec)
-        zarr_json = _check_written(self.staged, array_specs(self.leaves, self.stacks), self.storage.url)
-        manifest = Manifest(self.encoding, records, user_metadata=self.user_metadata, library_version=__version__,
-                            stacks=stacks, format_version=STACKS_VERSION if stacks else 1, zarr_json=zarr_json)
-        commit_checkpoint(self.storage, self.staged, manifest, overwrite=self.overwrite)
+        commit_written(self.storage, self.staged, self.encoding, records, array_specs(self.leaves, self.stacks),
+                       overwrite=self.overwrite, stacks=stacks, user_metadata=self.user_metadata)
 
-
-def _check_written(staged: Staged, specs: dict[int, tuple[str, ArraySpec]], final: str) -> dict[str, int]:
-    """Check that every file the save wrote is still in the staged place, whole (a save never
-    commits what someone removed or truncated meanwhile); return the CRC-32C of every zarr.json,
-    keyed as the manifest records them."""
-    expected: dict[str, int] = {}
-    zarr_json: dict[str, int] = {}
-    groups = {""} if specs or not staged.prefix else set()  # as _write_chunks writes them
-    for path, spec in specs.values():
-        meta = array_metadata_bytes(spec)
-        expected[f"{path}/zarr.json"] = len(meta)
-        zarr_json[f"{staged.prefix}{path}/zarr.json"] = crc32c.crc32c(meta)
-        chunk_bytes = math.prod(spec.chunk_shape) * spec.dtype.itemsize
-        for index in np.ndindex(*chunk_grid(spec.shape, spec.chunk_shape)):
-            expected[f"{path}/{chunk_key(index)}"] = chunk_bytes
-        parts = path.split("/")
-        groups.update("/".join(parts[:k]) for k in range(1, len(parts)))
-    for group in groups:
-        key = f"{group}/zarr.json" if group else "zarr.json"
-        expected[key] = len(GROUP_METADATA)
-        zarr_json[staged.prefix + key] = crc32c.crc32c(GROUP_METADATA)
-    found = staged.storage.stat_many(expected)
-    bad = [f"{staged.storage.where(k)} ({'missing' if found[k] is None else f'{found[k]} of {n} bytes'})"
-           for k, n in expected.items() if found[k] is None or (found[k] >= 0 and found[k] != n)]
-    if bad:
-        raise CheckpointError(
-            f"save to {final}: {len(bad)} file(s) it wrote are gone or changed before the commit, e.g. {bad[0]} "
-            "(did another process remove the save's temporary data?); nothing was committed")
-    return zarr_json

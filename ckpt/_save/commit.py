@@ -18,13 +18,28 @@ Coordinator: a local one here, the jax.distributed key-value store in ckpt._dist
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable, Protocol
 
-from ckpt._errors import CheckpointError
-from ckpt._format import Manifest, read_manifest
-from ckpt._format import GENERATION_MARK, TEMP_MARK, is_temp_name
-from ckpt.storage import Staged, Storage
+import crc32c
+import numpy as np
 
+from ckpt._errors import CheckpointError
+from ckpt._format import (
+    GENERATION_MARK,
+    GROUP_METADATA,
+    STACKS_VERSION,
+    TEMP_MARK,
+    ArraySpec,
+    LeafRecord,
+    Manifest,
+    Stack,
+    array_metadata_bytes,
+    is_temp_name,
+    read_manifest,
+)
+from ckpt._geometry import chunk_grid, chunk_key
+from ckpt.storage import NotDurableError, OutcomeUnknownError, Staged, Storage
 
 __all__ = ["TEMP_MARK", "is_temp_name"]
 
@@ -108,3 +123,83 @@ def _old_data(storage: Storage) -> Callable[[], Iterable[str]]:
 def commit_checkpoint(storage: Storage, staged: Staged, manifest: Manifest, *, overwrite: bool) -> None:
     """Write the manifest last, making what `staged` holds the checkpoint at `storage`."""
     storage.commit(staged, manifest.encode(), overwrite=overwrite, old_data=_old_data(storage))
+
+
+def commit_written(storage: Storage, staged: Staged, tree: dict, records: list[LeafRecord],
+                   specs: dict[int, tuple[str, ArraySpec]], *, overwrite: bool, stacks: list[Stack] = (),
+                   user_metadata: dict | None = None, action: str = "save") -> None:
+    """Step 4 of the protocol, the one way anything becomes a checkpoint (``save`` and
+    ``convert``): check that every file written is in the staged place, whole; record the
+    CRC-32C of every zarr.json; build the manifest at the lowest format version that describes
+    it; commit it (``commit_checkpoint``).
+
+    `records`: every leaf as the manifest records it (storage paths with ``staged.prefix``,
+    chunk checksums filled in); `specs`: (storage path without the prefix, spec) of every Zarr
+    array written, as ``array_specs`` gives them; `stacks` likewise complete. `action` names
+    the operation in messages. On failure see ``after_failed_commit``.
+    """
+    from ckpt._version import __version__
+
+    zarr_json = _check_written(staged, specs, storage.url, action)
+    # A manifest without stacks is version 1, which every reader reads (_format.records).
+    manifest = Manifest(tree, list(records), user_metadata=user_metadata, library_version=__version__,
+                        stacks=list(stacks), format_version=STACKS_VERSION if stacks else 1, zarr_json=zarr_json)
+    commit_checkpoint(storage, staged, manifest, overwrite=overwrite)
+
+
+def after_failed_commit(storage: Storage, staged: Staged, error: BaseException) -> None:
+    """Clean up after ``commit_written`` raised `error`: remove the staged data unless it may
+    now be a checkpoint's. A NotDurableError committed. An OutcomeUnknownError (the manifest
+    write failed in a way that may have landed, and reading it back could not tell) deletes
+    nothing: a manifest that did land points to this data. Anything else committed nothing of
+    ours, as the storage's commit settles a failed manifest write by reading it back: a lost
+    race (FileExistsError: another save's manifest is there), a write that provably did not
+    land, or a failure before the manifest write; its generation is removed (what cannot be
+    removed now is a dead leftover for cleanup, never a checkpoint). An interruption
+    (KeyboardInterrupt...) may have come at any moment: nothing is deleted."""
+    if isinstance(error, (NotDurableError, OutcomeUnknownError)) or not isinstance(error, Exception):
+        return
+    try:
+        storage.abort(staged)
+    except OSError:
+        pass  # left for cleanup: never a checkpoint, since no manifest points to it
+
+
+def group_paths(array_paths: Iterable[str], prefix: str) -> set[str]:
+    """The Zarr groups a save writes a zarr.json for, so stock zarr can browse the tree: the root
+    and every group above an array. None in a generation prefix without arrays: no manifest path
+    would reference it, so no overwrite could ever find and delete it."""
+    array_paths = list(array_paths)
+    groups = {""} if array_paths or not prefix else set()
+    for path in array_paths:
+        parts = path.split("/")
+        groups.update("/".join(parts[:k]) for k in range(1, len(parts)))
+    return groups
+
+
+def _check_written(staged: Staged, specs: dict[int, tuple[str, ArraySpec]], final: str,
+                   action: str = "save") -> dict[str, int]:
+    """Check that every file the save wrote is still in the staged place, whole (a save never
+    commits what someone removed or truncated meanwhile); return the CRC-32C of every zarr.json,
+    keyed as the manifest records them."""
+    expected: dict[str, int] = {}
+    zarr_json: dict[str, int] = {}
+    for path, spec in specs.values():
+        meta = array_metadata_bytes(spec)
+        expected[f"{path}/zarr.json"] = len(meta)
+        zarr_json[f"{staged.prefix}{path}/zarr.json"] = crc32c.crc32c(meta)
+        chunk_bytes = math.prod(spec.chunk_shape) * spec.dtype.itemsize
+        for index in np.ndindex(*chunk_grid(spec.shape, spec.chunk_shape)):
+            expected[f"{path}/{chunk_key(index)}"] = chunk_bytes
+    for group in group_paths((path for path, _ in specs.values()), staged.prefix):
+        key = f"{group}/zarr.json" if group else "zarr.json"
+        expected[key] = len(GROUP_METADATA)
+        zarr_json[staged.prefix + key] = crc32c.crc32c(GROUP_METADATA)
+    found = staged.storage.stat_many(expected)
+    bad = [f"{staged.storage.where(k)} ({'missing' if found[k] is None else f'{found[k]} of {n} bytes'})"
+           for k, n in expected.items() if found[k] is None or (found[k] >= 0 and found[k] != n)]
+    if bad:
+        raise CheckpointError(
+            f"{action} to {final}: {len(bad)} file(s) it wrote are gone or changed before the commit, e.g. {bad[0]} "
+            f"(did another process remove the {action}'s temporary data?); nothing was committed")
+    return zarr_json

@@ -13,12 +13,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import jax
 import numpy as np
 
-from ckpt._format import dtypes as _dtypes
-from ckpt._format import ALGORITHM
 from ckpt._errors import CheckpointError
-from ckpt._options import PACK_LIMIT
-from ckpt._geometry import Box, box_size, describe_sharding, full_box, index_to_box
 from ckpt._format import (
+    ALGORITHM,
     INLINE_LIMIT,
     JAX_ARRAY,
     NUMPY,
@@ -30,13 +27,17 @@ from ckpt._format import (
     PY_FLOAT,
     PY_INT,
     PY_STR,
+    FlatLeaf,
     InlineStorage,
     LeafRecord,
     Stack,
     StackedStorage,
     ZarrStorage,
+    display_path,
 )
-from ckpt._format import FlatLeaf, display_path
+from ckpt._format import dtypes as _dtypes
+from ckpt._geometry import Box, box_size, describe_sharding, full_box, index_to_box
+from ckpt._options import PACK_LIMIT
 
 
 @dataclass
@@ -64,10 +65,12 @@ def _dtype_name(dtype) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def _sharding_record(sharding) -> dict:
+def _sharding_record(sharding, ndim: int) -> dict:
     # Trees share a handful of shardings among thousands of leaves. The record is shared by
-    # every leaf with this sharding and never modified.
-    return describe_sharding(sharding).to_record()
+    # every leaf with this sharding and rank and never modified. The rank is part of the key:
+    # JAX accepts trailing None entries beyond it (P(None) on a 0-d array), which readers refuse
+    # in a manifest, so the spec is cut to the rank here (describe_sharding's ndim).
+    return describe_sharding(sharding, ndim).to_record()
 
 
 def _inline_record(rec: LeafRecord, host: np.ndarray) -> None:
@@ -131,8 +134,18 @@ def describe(leaf: FlatLeaf, process_count: int, max_chunk_bytes: int | None = N
             rec.kind, rec.prng_impl = PRNG_KEY, str(jax.random.key_impl(v))
             data = jax.random.key_data(v)
         rec.shape, rec.dtype = tuple(data.shape), _dtype_name(data.dtype)
-        rec.sharding = _sharding_record(v.sharding)
+        try:
+            # The key array's rank, not its key data's: the spec lays out the keys.
+            rec.sharding = _sharding_record(v.sharding, v.ndim)
+        except ValueError as e:
+            raise CheckpointError(f"leaf {display_path(path)!r}: cannot record its sharding: {e}") from None
         nbytes = data.size * data.dtype.itemsize
+        if data.size == 0:
+            # No data, so nothing to write or gather: every process records the same (empty)
+            # inline value. A Zarr array of it would have a zero chunk dimension (the shard
+            # shape of (0, 8) over 'x' is (0, 1)), which no chunk grid can hold.
+            _inline_record(rec, np.empty(data.shape, data.dtype))
+            return Leaf(rec)
         if nbytes <= INLINE_LIMIT and (process_count == 1 or (data.sharding.is_fully_replicated and any(
                 d.process_index == 0 for d in data.sharding.device_set))):
             full = data.addressable_shards[0].data if process_count > 1 else data

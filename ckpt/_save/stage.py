@@ -19,9 +19,9 @@ import jax
 import numpy as np
 
 from ckpt._format import dtypes as _dtypes
+from ckpt._geometry import full_box, index_to_box, relative
 from ckpt._memory import return_to_os as _return_to_os
 from ckpt._memory import unreferenced as _unreferenced
-from ckpt._geometry import full_box, index_to_box, relative
 from ckpt._save.plan import HOST, PackedWrite, ShardWrite
 
 PAGE = 4096  # staging buffers are page aligned and sized, for direct (O_DIRECT) writes

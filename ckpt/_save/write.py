@@ -3,21 +3,21 @@ gives their host memory back to the save's budget once each is durable."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import queue
 import threading
 from collections import deque
 
 import numpy as np
 
-from ckpt._format import dtypes as _dtypes
-from ckpt._format import chunk_checksum
-from ckpt._save.plan import Leaf
 from ckpt._errors import CheckpointError
+from ckpt._format import ArraySpec, Stack, chunk_checksum
+from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import chunk_grid, chunk_index_of, flat_chunk_index
-from ckpt._format import Stack
-from ckpt._save.plan import PackedWrite
+from ckpt._save.commit import group_paths
+from ckpt._save.plan import Leaf, PackedWrite
 from ckpt._save.stage import SaveBudget
-from ckpt._format import ArraySpec
 from ckpt.storage import Storage
 
 # Bytes handed to storage and not yet durable, per process, while the caller is still making its
@@ -28,6 +28,10 @@ from ckpt.storage import Storage
 COPYING_INFLIGHT_BYTES = 64 << 20
 
 END = object()  # the last item the caller puts on the chunk queue
+
+# While the writer waits for its oldest chunk write, it looks this often for a failure of the
+# others: the first failure stops the save (no new write goes out, queued ones are cancelled).
+FAILURE_POLL_S = 0.25
 
 
 def array_specs(leaves: list[Leaf], stacks: list[Stack]) -> dict[int, tuple[str, ArraySpec]]:
@@ -50,16 +54,6 @@ def array_specs(leaves: list[Leaf], stacks: list[Stack]) -> dict[int, tuple[str,
         specs[-1 - s] = (stack.zarr.path, ArraySpec(stack.shape, stack.zarr.chunk_shape,
                                                      np.dtype(stack.zarr.data_type), attrs))
     return specs
-
-
-def _group_metadata_puts(storage: Storage, array_paths: list[str]) -> list:
-    """zarr.json for the root and every intermediate group, so stock zarr can browse the tree
-    (written concurrently, each fsynced by the engine)."""
-    groups = {""}
-    for path in array_paths:
-        parts = path.split("/")
-        groups.update("/".join(parts[:k]) for k in range(1, len(parts)))
-    return [storage.put_group(g) for g in sorted(groups)]
 
 
 class _InFlight:
@@ -94,6 +88,45 @@ def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, pri
     created: list = []
     inflight_bytes = 0
     ended = False
+    # Once a chunk write has failed the save is lost: no new write goes out (a store answering
+    # SlowDown to every PUT would otherwise see every chunk retried in turn). Failures are
+    # looked for while the writer waits for its oldest write (all writes in flight, every
+    # FAILURE_POLL_S), and before each new write (two of them: the newest, and one in turn),
+    # which costs two done() calls per chunk and no request.
+    cursor = 0
+
+    def spot_check() -> None:
+        nonlocal cursor
+        if not inflight:
+            return
+        cursor = (cursor + 1) % len(inflight)
+        for e in (inflight[-1], inflight[cursor]):
+            done = getattr(e.future, "done", None)
+            if done is not None and done():
+                e.future.result()  # raises if it failed
+
+    def look_for_failures() -> None:
+        """Raise the error of a write in flight that has failed (the first found), if any."""
+        for e in inflight:
+            done = getattr(e.future, "done", None)
+            if done is not None and done():
+                e.future.result()  # raises if it failed
+
+    def wait_oldest(future) -> None:
+        """Wait for `future` (the oldest write), looking for failures of the others meanwhile."""
+        done = getattr(future, "done", None)
+        if done is None:
+            return
+        while not done():
+            try:
+                future.result(FAILURE_POLL_S)
+                return
+            except TimeoutError:
+                if done():
+                    return  # (its own failure, or its own time bound: raised by the caller)
+                look_for_failures()
+            except BaseException:  # noqa: BLE001 (its own failure: raised by the caller)
+                return
 
     def checksum(e: _InFlight) -> None:
         if e.data is not None:
@@ -102,6 +135,7 @@ def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, pri
 
     def retire() -> None:
         nonlocal inflight_bytes
+        wait_oldest(inflight[0].future)
         e = inflight.popleft()
         e.future.result()
         checksum(e)  # (drops the last reference to the chunk's data before the lease goes back)
@@ -137,6 +171,7 @@ def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, pri
             fast = pressed or ended or copied.is_set()
             limit = max_inflight_bytes if fast else min(COPYING_INFLIGHT_BYTES, max_inflight_bytes)
             if queued and (not inflight or inflight_bytes + queued[0][0].nbytes <= limit):
+                spot_check()
                 submit(queued.popleft())
                 continue
             if fast:
@@ -149,24 +184,30 @@ def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, pri
         if primary:
             # Metadata last: the small fsynced files then overlap the chunk writes in flight.
             created = [storage.create_array(path, spec) for path, spec in specs.values()]
-            if specs or not prefix:
-                # (A generation prefix holding only group metadata would be referenced by no
-                # manifest path, so no overwrite could ever find and delete it.)
-                created += _group_metadata_puts(storage, [path for path, _ in specs.values()])
+            # zarr.json of the root and every intermediate group, so stock zarr can browse the
+            # tree: the groups the commit checks for (commit.group_paths).
+            created += [storage.put_group(g) for g in sorted(group_paths((path for path, _ in specs.values()), prefix))]
         while inflight:
             retire()
         budget.finish()
         for fut in created:
             fut.result()
     except BaseException as error:
-        # Wake the caller if it waits for budget that will not come back, then let every
-        # started write finish (or fail) before the caller removes the temporary directory; a
-        # write still running would create files in it again.
+        # Wake the caller if it waits for budget that will not come back; drop the writes not
+        # yet started where the engine can (a pool's queued calls; TensorStore's requests on
+        # object stores), then let every started write finish (or fail, each within its time
+        # bound) before the caller removes the temporary directory: a write still running would
+        # create files in it again.
         budget.abort(error)
-        for fut in [e.future for e in inflight] + created:
+        pending = [e.future for e in inflight] + created
+        for fut in pending:
+            cancel = getattr(fut, "cancel", None)
+            if cancel is not None:
+                cancel()
+        for fut in pending:
             try:
                 fut.result()
-            except Exception:
+            except (Exception, asyncio.CancelledError, concurrent.futures.CancelledError):
                 pass
         raise
     return sums

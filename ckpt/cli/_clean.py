@@ -11,15 +11,14 @@ to is safe.
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt._format import read_manifest
 from ckpt._errors import CheckpointError
+from ckpt._format import GENERATION_MARK, MANIFEST_NAME, is_temp_name, read_manifest
 from ckpt._options import Options
-from ckpt._format import GENERATION_MARK, MANIFEST_NAME, is_temp_name
-from ckpt.storage import Storage
-from ckpt.storage import Leftover
+from ckpt.storage import Leftover, Storage
 
 
 @dataclass(frozen=True)
@@ -71,8 +70,22 @@ def find_leftovers(storage: Storage) -> list[Found]:
     return found
 
 
+_RETIRED = re.compile(r".+\.tmp-(?:deleted|old)-[0-9a-f]{12}")
+
+
+def is_retired(name: str) -> bool:
+    """Whether `name` is a checkpoint being deleted (``<name>.tmp-deleted-<hex>``, retention's
+    or ``delete``'s) or one replaced by an overwrite (``.tmp-old-<hex>``): no longer a
+    checkpoint, and never a save that did not commit."""
+    return bool(_RETIRED.fullmatch(name))
+
+
 def describe(leftover: Leftover) -> str:
-    """The words `ckpt ls` shows beside an uncommitted entry."""
+    """The words `ckpt ls` shows beside an uncommitted entry (or a deleted one)."""
+    if is_retired(leftover.name):
+        if leftover.dead:
+            return f"deleted, not yet removed: {leftover.why}; 'ckpt clean' removes it"
+        return "being deleted"
     if leftover.dead:
         return f"leftover of a dead save: {leftover.why}; 'ckpt clean' removes it"
     return f"in use: {leftover.why}"

@@ -155,7 +155,7 @@ def add_export_arguments(c: argparse.ArgumentParser, step_type, step_help: str, 
 
 
 def cmd_export(args, open_checkpoint, options: Options) -> int:
-    from ckpt.cli._export import export_document, parse_shard_size, render_export, rename_from
+    from ckpt.cli._export import export_document, parse_shard_size, rename_from, render_export
     from ckpt.safetensors import export
 
     shard_size = parse_shard_size(args.shard_size)

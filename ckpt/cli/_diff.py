@@ -19,13 +19,11 @@ from typing import Any, Iterator
 import ml_dtypes
 import numpy as np
 
+from ckpt._format import ARRAY_KINDS, display_path
 from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import Box, box_shape, chunk_box, chunk_grid
-from ckpt._format import ARRAY_KINDS
 from ckpt._options import Options, resolve
-from ckpt._restore import plan_leaf_read
-from ckpt._restore import RestoreStats, Reader
-from ckpt._format import display_path
+from ckpt._restore import Reader, RestoreStats, plan_leaf_read
 from ckpt.cli._opened import Opened
 
 DEFAULT_BLOCK_BYTES = 64 << 20

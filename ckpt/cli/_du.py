@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ckpt._format import ARRAY_KINDS, Manifest, display_path, leaf_components
 from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import chunk_grid
-from ckpt._format import ARRAY_KINDS, Manifest
-from ckpt._format import display_path, leaf_components
 
 
 @dataclass

@@ -11,16 +11,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ckpt._format import dtypes as _dtypes
-from ckpt._format import read_manifest
 from ckpt._errors import CheckpointError
+from ckpt._format import MANIFEST_NAME, TEMP_MARK, Manifest, is_temp_name, read_manifest
+from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import chunk_grid
-from ckpt._format import Manifest
-from ckpt._options import Options
 from ckpt._manager import parse_step, scan_steps, step_dir_name
-from ckpt._format import MANIFEST_NAME, TEMP_MARK, is_temp_name
-from ckpt.storage import Storage
+from ckpt._options import Options
 from ckpt.cli._opened import Opened, StepRow, _is_file, _not_a_directory, open_location
+from ckpt.storage import Storage
 
 
 def _committed_steps(storage: Storage) -> list[int]:
@@ -83,7 +81,13 @@ def _row(step: int | None, storage: Storage, note: str | None = None) -> StepRow
     size, files, written = (usage.bytes, usage.files, usage.modified) if usage else (None, None, None)
     sized_by = "storage" if usage else None
     state, problem = "uncommitted", note  # note: whose staged data it is (ckpt.cli._clean.notes)
-    if not is_temp_name(storage.name) and storage.exists(MANIFEST_NAME):
+    from ckpt.cli._clean import is_retired
+
+    if is_retired(storage.name):
+        # A step deleted (renamed away first) whose files are not all removed yet, e.g. when the
+        # process was killed during retention: not a save that failed to commit.
+        state = "deleted"
+    elif not is_temp_name(storage.name) and storage.exists(MANIFEST_NAME):
         try:
             manifest = read_manifest(storage)
         except CheckpointError as e:

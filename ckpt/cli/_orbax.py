@@ -9,8 +9,7 @@ from typing import Any
 from ckpt._errors import CheckpointError
 from ckpt._format import ARRAY_KINDS, LeafRecord, Manifest, ZarrStorage
 from ckpt._options import Options
-from ckpt._orbax import read_json, read_layout
-from ckpt._orbax import STEP_METADATA, kind_of, scan_orbax_steps, step_of
+from ckpt._orbax import STEP_METADATA, kind_of, read_json, read_layout, scan_orbax_steps, step_of
 from ckpt.storage import Storage, open_storage
 
 
@@ -77,11 +76,12 @@ def orbax_rows(storage: Storage) -> list | None:
 
 def inspect_orbax(location: Any, step: int | None, options: Options, as_json: bool) -> int | None:
     """`ckpt inspect` of an Orbax location (printed here), or None when it is not one."""
-    from ckpt.cli._render import inspect_document, json_safe, render_inspect
-    from ckpt.cli._opened import Opened
-    from ckpt._restore import OrbaxArrays
     import json
     import sys
+
+    from ckpt._restore import OrbaxArrays
+    from ckpt.cli._opened import Opened
+    from ckpt.cli._render import inspect_document, json_safe, render_inspect
 
     storage = open_storage(location, options)
     if kind_of(storage) is None:

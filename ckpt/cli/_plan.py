@@ -11,11 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ckpt._format import ARRAY_KINDS, JAX_ARRAY, PRNG_KEY, Manifest, display_path
 from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import ShardingInfo, full_box, mesh_fit_problem, named_boxes
-from ckpt._format import ARRAY_KINDS, JAX_ARRAY, PRNG_KEY, Manifest
 from ckpt._restore import plan_leaf_read
-from ckpt._format import display_path
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:

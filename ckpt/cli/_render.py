@@ -7,11 +7,10 @@ import datetime
 import math
 from typing import Any
 
+from ckpt._format import ARRAY_KINDS, CUSTOM, FORMAT_NAME, LEAF, LeafRecord, Manifest, child_names, display_path
 from ckpt._geometry import ShardingInfo, chunk_grid
-from ckpt._format import ARRAY_KINDS, FORMAT_NAME, LeafRecord, Manifest
-from ckpt._restore import array_metadata
 from ckpt._manager import METRICS_KEY
-from ckpt._format import CUSTOM, LEAF, child_names, display_path
+from ckpt._restore import array_metadata
 from ckpt.cli._opened import Opened, StepRow
 
 

@@ -21,9 +21,8 @@ import crc32c
 import numpy as np
 
 from ckpt._errors import CheckpointError
+from ckpt._format import ARRAY_KINDS, Manifest, ZarrStorage, display_path
 from ckpt._geometry import box_shape, chunk_box, chunk_grid, chunk_key
-from ckpt._format import ARRAY_KINDS, Manifest, ZarrStorage
-from ckpt._format import display_path
 from ckpt.storage import Storage
 
 ZARR_JSON_LIMIT = 1 << 20  # an array's zarr.json is a few hundred bytes
@@ -150,6 +149,19 @@ def _without(text: str, where: str) -> str:
     return "file" + text[len(where):] if text.startswith(where) else text
 
 
+def _longer_problem(storage: Storage, task: _ChunkTask) -> str | None:
+    """Why the chunk file is longer than recorded, or None (a read past its end finds nothing)."""
+    try:
+        storage.read_range(f"{task.array}/{chunk_key(task.index)}", task.file_bytes, 1)
+    except CheckpointError:  # it ends where it should
+        return None
+    except FileNotFoundError:
+        return "file is missing"
+    except OSError as e:
+        return f"cannot read the file ({e.strerror or e})"
+    return f"file holds more than the {task.file_bytes} bytes expected"
+
+
 def _check_chunk(storage: Storage, task: _ChunkTask) -> str | None:
     """Why the chunk is bad, or None when it is intact."""
     try:
@@ -160,6 +172,13 @@ def _check_chunk(storage: Storage, task: _ChunkTask) -> str | None:
         return _without(str(e), task.file)
     except OSError as e:
         return f"cannot read the file ({e.strerror or e})"
+    if not storage.reads_refuse_longer:
+        # The engine reads only the recorded size (TensorStore on S3/GCS: a longer object's tail
+        # is never read, so restores are unaffected): one ranged read of the byte past the end
+        # tells a chunk file longer than recorded (docs/storage.md, "Confined reads").
+        longer = _longer_problem(storage, task)
+        if longer is not None:
+            return longer
     if task.box_shape == task.chunk_shape:
         crc = crc32c.crc32c(raw)
     else:

@@ -7,17 +7,19 @@ gcs, file) or ``fsspec`` (zarr-python's FsspecStore over any fsspec file system)
 """
 
 from ckpt._format import GENERATION_MARK, MANIFEST_NAME, TEMP_MARK, ArraySpec, is_temp_name
-from ckpt.storage._owners import Leftover
-from ckpt.storage._base import NotDurableError, Staged, Storage
 from ckpt._memory import aligned_empty
+from ckpt.storage._base import NotDurableError, OutcomeUnknownError, Staged, Storage
 from ckpt.storage._location import ENGINES, default_engine, location_text, open_storage
+from ckpt.storage._owners import Leftover
 from ckpt.storage._wrapper import WrapperStorage
-from ckpt.storage._base import Done  # noqa: F401 (the door)
-from ckpt.storage._location import scheme_of, tensorstore_spec  # noqa: F401 (the door)
-from ckpt.storage._owners import SaveLock  # noqa: F401 (the door)
-from ckpt.storage._ranges import RangeReader  # noqa: F401 (the door)
+
+# The door's internal side: what other layers of ckpt use besides the public names below.
+from ckpt.storage._base import Done  # noqa: E402,F401
+from ckpt.storage._location import scheme_of, tensorstore_spec  # noqa: E402,F401
+from ckpt.storage._owners import OWNER_LIMIT_BYTES, OWNER_NAME, SaveLock, owner_gone, parse_owner  # noqa: E402,F401
 
 __all__ = [
-    "ENGINES", "GENERATION_MARK", "MANIFEST_NAME", "TEMP_MARK", "ArraySpec", "Leftover", "NotDurableError", "Staged",
-    "Storage", "WrapperStorage", "aligned_empty", "default_engine", "is_temp_name", "location_text", "open_storage",
+    "ENGINES", "GENERATION_MARK", "MANIFEST_NAME", "TEMP_MARK", "ArraySpec", "Leftover", "NotDurableError",
+    "OutcomeUnknownError", "Staged", "Storage", "WrapperStorage", "aligned_empty", "default_engine", "is_temp_name",
+    "location_text", "open_storage",
 ]

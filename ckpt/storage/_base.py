@@ -23,7 +23,12 @@ Reads are confined, on every engine: a key is a validated relative path inside t
 following a symbolic link; a link, directory, FIFO or device is a ``CheckpointError``); and no
 read returns more bytes than the caller says the object should hold (``get``'s `max_bytes`,
 ``read_exact``'s `nbytes`), so a damaged or hostile checkpoint cannot make a reader leave it,
-block, or allocate more than its files hold.
+block, or allocate more than its files hold. Ranged reads (``read_range`` and ``size``, for files
+jax-ckpt did not write: safetensors) are confined the same way, with one difference: on file
+systems they follow a symbolic link whose target, resolved with ``realpath``, stays under the
+location (a Hugging Face cache is made of links into its ``blobs/`` directory); a link that
+leaves it is a ``CheckpointError`` naming the link. A jax-ckpt checkpoint's own files are never
+read through a link.
 
 Saves in progress are never disturbed by anyone else: each staged directory or generation
 carries an owner record (``OWNER_NAME``: host, boot, process) and, on local disk, a lock its
@@ -35,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import secrets
 import threading
 import warnings
@@ -48,29 +52,41 @@ import numpy as np
 
 from ckpt._errors import CheckpointError
 from ckpt._format import (
-    GENERATION_MARK, GROUP_METADATA, MANIFEST_NAME, TEMP_MARK, ArraySpec, array_metadata_bytes, is_temp_name,
+    GENERATION_MARK,
+    GROUP_METADATA,
+    MANIFEST_NAME,
+    ArraySpec,
+    array_metadata_bytes,
 )
 from ckpt._geometry import Box, box_shape, chunk_key
 from ckpt._memory import aligned_empty
-from ckpt.storage._confine import check_key, check_local_key, file_kind
+from ckpt.storage._confine import check_key
 from ckpt.storage._owners import (
     _GENERATION,
     _OWN_TEMP,
-    FOREIGN_OWNER_TTL_S,
     OWNER_LIMIT_BYTES,
     OWNER_NAME,
-    UNOWNED_GRACE_S,
     Leftover,
     LiveMark,
     SaveLock,
-    _boot_id,
     _Lease,
     owner_bytes,
     owner_gone,
-    owner_record,
-    owner_text,
     parse_owner,
 )
+
+
+def not_a_checkpoint(where: str, what: str) -> FileExistsError:
+    """The error of a save to a location that holds something other than a jax-ckpt checkpoint
+    (user files, another library's checkpoint, a manager directory): never replaced, whatever
+    `overwrite` says."""
+    return FileExistsError(errno.EEXIST, f"exists and is not a jax-ckpt checkpoint ({what}); nothing was written, "
+                                         "and overwrite replaces only a jax-ckpt checkpoint", where)
+
+
+def _some(names: list[str], most: int = 3) -> str:
+    shown = ", ".join(repr(n) for n in sorted(names)[:most])
+    return f"{len(names)} entr{'y' if len(names) == 1 else 'ies'}: {shown}" + (", ..." if len(names) > most else "")
 
 
 class NotDurableError(CheckpointError):
@@ -78,6 +94,22 @@ class NotDurableError(CheckpointError):
     failed (an fsync after the rename): a crash now could still lose it."""
 
     committed = True
+
+
+class OutcomeUnknownError(CheckpointError):
+    """A write whose outcome cannot be told: it failed in a way that may have landed (an answer
+    lost, a timeout), and reading the object back failed too. For a manifest: the checkpoint may
+    or may not be committed, and nothing the save wrote was deleted (docs/storage.md, "What a
+    save's error means")."""
+
+    committed = None
+
+
+def may_still_land(error: BaseException) -> bool:
+    """Whether a failed request may still be applied by the server after the caller saw it fail:
+    a timeout of the caller's own (the request may be in flight, or queued in a client's retry
+    loop), so that an object missing on a read-back does not prove it will stay missing."""
+    return isinstance(error, TimeoutError) or getattr(error, "errno", None) == errno.ETIMEDOUT
 
 
 class Usage(NamedTuple):
@@ -133,6 +165,30 @@ def size_mismatch(where: str, got: int, want: int) -> CheckpointError:
     return CheckpointError(f"{where} holds {got} bytes, more than the {want} expected")
 
 
+def range_short(where: str, start: int, length: int) -> CheckpointError:
+    """The error for an object that ends inside a range asked of it (``read_range``)."""
+    return CheckpointError(f"{where} is truncated: it ends before byte {start + length} "
+                           f"(a read of {length} bytes from offset {start})")
+
+
+def range_buffer(into: np.ndarray | None, length: int, where: str) -> np.ndarray:
+    """Where ``read_range`` puts `length` bytes: the caller's `into` (1-D contiguous uint8 of at
+    least `length` bytes) or a fresh 64-byte-aligned buffer."""
+    if (into is not None and into.dtype == np.uint8 and into.ndim == 1 and into.flags.c_contiguous
+            and len(into) >= length):
+        return into[:length]
+    return read_buffer(length, where)
+
+
+def check_range(start: int, length: int) -> None:
+    if start < 0 or length < 0:
+        raise ValueError(f"a byte range starts at 0 or later and is not negative: got start={start}, length={length}")
+
+
+# The largest object Storage.read_range's default reads whole to cut a range out of it.
+WHOLE_READ_LIMIT = 1 << 40
+
+
 def too_large(where: str, limit: int) -> CheckpointError:
     """The error for an object larger than it may be, found without reading all of it."""
     return CheckpointError(f"{where} holds more than the {limit} bytes expected")
@@ -148,6 +204,13 @@ class Done:
         if self._error is not None:
             raise self._error
         return self._value
+
+    def done(self) -> bool:
+        return True
+
+
+def _text(e: BaseException) -> str:
+    return str(e) or type(e).__name__
 
 
 def os_error(code: int, what: str, where: str) -> OSError:
@@ -183,13 +246,19 @@ class Storage(ABC):
       ``renames``: a staged directory is published by an atomic rename (local disk);
       ``conditional_writes``: ``put_if_absent`` is atomic against other writers;
       ``reads_into_buffers``: ``read_exact`` reads into the caller's buffer (``into``), so a
-      restore can reuse its read buffers batch after batch.
+      restore can reuse its read buffers batch after batch;
+      ``versioned_writes``: ``get_versioned`` / ``put_if_version`` replace an object only if it
+      is still the version read (a compare-and-swap: a lease takeover is atomic);
+      ``reads_refuse_longer``: ``read_exact`` refuses an object longer than expected (where it
+      does not, ``ckpt verify`` checks sizes itself).
     """
 
     engine: str = "?"
     renames: bool = False
     conditional_writes: bool = False
     reads_into_buffers: bool = False
+    versioned_writes: bool = False
+    reads_refuse_longer: bool = True
 
     # ---- location ----------------------------------------------------------------------
 
@@ -241,6 +310,34 @@ class Storage(ABC):
         plus one page, which engines with ``reads_into_buffers`` read into (the result is then
         a view of it); others ignore it."""
 
+    def size(self, key: str) -> int | None:
+        """The object's size in bytes, or None where the engine cannot tell without reading it.
+        FileNotFoundError when missing; confined like ``read_range`` (a link under the location
+        is followed). Default: from ``stat_many``."""
+        got = self.stat_many([check_key(key)])[key]
+        if got is None:
+            raise FileNotFoundError(errno.ENOENT, "no such object", self.where(key))
+        return None if got < 0 else got
+
+    def read_range(self, key: str, start: int, length: int, into: np.ndarray | None = None) -> np.ndarray:
+        """Bytes ``[start, start + length)`` of the object, as a uint8 array of `length` (a view
+        of `into` when that is a 1-D contiguous uint8 buffer of at least `length` bytes, else a
+        fresh 64-byte-aligned buffer). FileNotFoundError when missing; CheckpointError naming the
+        object when it ends before ``start + length`` or is not a plain object. Only the range
+        is read where the engine can (every built-in engine can). Confined as the module
+        docstring says, links under the location followed.
+
+        Default (an engine without ranged reads): the whole object is read with ``get`` and cut,
+        which is correct but reads all of it for every range."""
+        check_range(start, length)
+        where = self.where(key)
+        data = self.get(key, max_bytes=WHOLE_READ_LIMIT)
+        if len(data) < start + length:
+            raise range_short(where, start, length)
+        out = range_buffer(into, length, where)
+        out[:] = np.frombuffer(data, np.uint8, length, start)
+        return out
+
     def read_window_bytes(self, io_concurrency: int) -> int | None:
         """The most chunk bytes a restore reads in one batch here, with `io_concurrency`
         requests in flight (None: as many as the host budget allows). An engine whose reads
@@ -263,6 +360,64 @@ class Storage(ABC):
     def put_if_absent(self, key: str, data: bytes) -> None:
         """Write the object only if none exists; FileExistsError otherwise. Atomic where
         ``conditional_writes`` is set."""
+
+    def get_versioned(self, key: str, *, max_bytes: int) -> tuple[bytes | None, Any]:
+        """(bytes or None when missing, version) of the object, for ``put_if_version``. Only
+        where ``versioned_writes``."""
+        raise NotImplementedError(f"{type(self).__name__} has no versioned writes")
+
+    def put_if_version(self, key: str, data: bytes, version: Any) -> Any:
+        """Replace the object only if it is still at `version` (from ``get_versioned``; a
+        missing object's version means: only if still missing). Returns the new version, or None
+        when the object changed meanwhile (nothing written). Only where ``versioned_writes``."""
+        raise NotImplementedError(f"{type(self).__name__} has no versioned writes")
+
+    def create(self, key: str, data: bytes, *, what: str = "object") -> None:
+        """``put_if_absent`` that is safe against lost answers and its engine's own retries:
+        when the write reports that the object exists, or fails in a way that may have landed
+        (a reset after the server stored it, a 500, a timeout), the object is read back, and
+        if it holds exactly `data` the write succeeded (`data` must be unique to this writer:
+        a manifest names a fresh generation, owner records and leases carry a token).
+        FileExistsError when another writer's object is there; the write's own error when it
+        provably did not land; OutcomeUnknownError (naming `what` and the object) when neither
+        the write nor the read-back can tell."""
+        try:
+            self.put_if_absent(key, data)
+            return
+        except Exception as e:  # noqa: BLE001 (settled below)
+            self.settle_write(key, data, e, what=what)
+
+    def settle_write(self, key: str, data: bytes, error: BaseException, *, what: str = "object",
+                     replace: bool = False) -> None:
+        """After a write of `data` to `key` failed with `error`: return if the object holds
+        exactly `data` (the write landed, its answer lost or its retry refused), raise otherwise
+        (see ``create``). A missing object (with `replace`, an unconditional write: any other
+        object) means the write did not land, and the error is raised, unless the error says it
+        may still land (``may_still_land``): then OutcomeUnknownError."""
+        try:
+            there = self.get(key, max_bytes=max(len(data), 1))
+        except FileNotFoundError:
+            there = None
+        except CheckpointError:
+            there = b""  # larger than ours, or no plain object: not ours
+        except Exception as e2:
+            raise OutcomeUnknownError(
+                f"{what} {self.where(key)}: outcome unknown (written or not): the write failed ({_text(error)}) "
+                f"and reading it back failed too ({_text(e2)})") from error
+        if there == data:
+            return
+        if there is None or replace:
+            if isinstance(error, FileExistsError) and not replace:
+                raise error
+            if may_still_land(error):
+                raise OutcomeUnknownError(
+                    f"{what} {self.where(key)}: outcome unknown (written or not): the write failed "
+                    f"({_text(error)}) and may still land") from error
+            raise error
+        if isinstance(error, FileExistsError):
+            raise error
+        raise FileExistsError(errno.EEXIST, f"already exists (another writer's; our write failed: {_text(error)})",
+                              self.where(key)) from error
 
     @abstractmethod
     def exists(self, key: str) -> bool:
@@ -344,16 +499,29 @@ class Storage(ABC):
     def stage(self, *, overwrite: bool) -> Staged:
         """Check this location and prepare the place a save writes to (primary process only),
         its owner record written first. FileExistsError when a checkpoint is here and not
-        `overwrite`.
+        `overwrite`, and, overwrite or not, when something that is not a jax-ckpt checkpoint is
+        here (``not_a_checkpoint``): an overwrite replaces only a checkpoint.
 
         Default (no rename): a fresh generation prefix inside this location."""
-        if not overwrite and self.exists(MANIFEST_NAME):
+        files, dirs = self.list_dir("")
+        if MANIFEST_NAME not in files:
+            # Generation prefixes without a manifest are what failed saves leave: not data.
+            others = files + [f"{d}/" for d in dirs if not d.startswith(GENERATION_MARK)]
+            if others:
+                raise not_a_checkpoint(self.url, f"it holds {_some(others)}")
+        elif not overwrite:
             raise FileExistsError(errno.EEXIST, "checkpoint already exists (pass overwrite=True to replace it)", self.url)
         generation = f"{GENERATION_MARK}{secrets.token_hex(6)}"
         place = self.child(generation)
         mark = LiveMark(place.url)
         try:
-            place.put_if_absent(OWNER_NAME, owner_bytes())
+            # (A lost answer retried is our own record, recognised: owner records carry a token.)
+            try:
+                place.create(OWNER_NAME, owner_bytes(), what="owner record")
+            except OutcomeUnknownError as e:
+                # Nothing can have been committed yet: a plain failure of the save.
+                raise CheckpointError(f"save to {self.url} failed before writing anything else, nothing "
+                                      f"committed: {e}") from e
         except BaseException:
             mark.release()
             raise
@@ -384,7 +552,9 @@ class Storage(ABC):
 
         Otherwise: the manifest is written if absent (FileExistsError when another save
         committed first; its data is untouched), or, when overwriting, replaced in one write;
-        then the previous checkpoint's data is deleted. `old_data()` names the top-level entries
+        then the previous checkpoint's data is deleted. A manifest write that fails is settled
+        by reading the manifest back: ours there is a commit; OutcomeUnknownError when that
+        cannot be told (the caller then deletes nothing: ``_save.commit.after_failed_commit``). `old_data()` names the top-level entries
         the previous manifest referenced (evaluated before the new manifest is written).
         """
         try:
@@ -422,20 +592,19 @@ class Storage(ABC):
     def _commit_by_conditional_write(self, staged: Staged, manifest: bytes, *, overwrite: bool,
                                      old_data: Callable[[], Iterable[str]] | None) -> None:
         stale = list(old_data()) if (overwrite and old_data is not None) else []
-        try:
-            if overwrite:
-                self.put(MANIFEST_NAME, manifest).result()
-            else:
-                self.put_if_absent(MANIFEST_NAME, manifest)
-        except BaseException:
-            # The write may have landed (an answer lost): the staged data stays, in case the
-            # manifest points to it. Without its owner record it is a dead leftover the next
-            # cleanup removes, unless a manifest references it.
+        # The manifest names this save's fresh generation, so its bytes are this save's own: a
+        # write that reports failure (or "exists": its own retry of a write whose answer was
+        # lost) is settled by reading the manifest back (``settle_write``). Raises
+        # FileExistsError (another save committed first), OutcomeUnknownError (neither the
+        # write nor the read-back can tell: nothing may be deleted), or the write's own error
+        # when it provably did not land.
+        if overwrite:
             try:
-                staged.storage.delete(OWNER_NAME)
-            except OSError:
-                pass
-            raise
+                self.put(MANIFEST_NAME, manifest).result()
+            except Exception as e:  # noqa: BLE001 (settled)
+                self.settle_write(MANIFEST_NAME, manifest, e, what="manifest", replace=True)
+        else:
+            self.create(MANIFEST_NAME, manifest, what="manifest")
         # Committed: from here on nothing may fail the save. Old data that cannot be deleted
         # now is unreferenced and only costs space.
         keep = staged.prefix.rstrip("/")

@@ -11,6 +11,7 @@ exclusive create on local disk and ``If-None-Match: *`` on s3fs.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 from typing import Any
@@ -18,9 +19,20 @@ from typing import Any
 import numpy as np
 
 from ckpt._errors import CheckpointError
-from ckpt._geometry import Box, chunk_index_of, chunk_key
-from ckpt.storage._base import READ_PIECE, Storage, chunk_bytes, read_buffer, shared_pool, size_mismatch, too_large
 from ckpt._format import ArraySpec
+from ckpt._geometry import Box, chunk_index_of, chunk_key
+from ckpt.storage._base import (
+    READ_PIECE,
+    Storage,
+    check_range,
+    chunk_bytes,
+    range_buffer,
+    range_short,
+    read_buffer,
+    shared_pool,
+    size_mismatch,
+    too_large,
+)
 from ckpt.storage._confine import check_key, check_local_key
 
 # s3fs and gcsfs raise OSError subclasses without an errno (PermissionError("Forbidden")): the
@@ -51,7 +63,25 @@ def _range_not_satisfiable(e: BaseException) -> bool:
     return False
 
 
+def _timed_out(where: str, op: str, timeout_s: float) -> TimeoutError:
+    return TimeoutError(errno.ETIMEDOUT, f"{op}: no answer within {timeout_s:g} s (request_timeout_s); gave up", where)
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    """An S3 412 (If-Match / If-None-Match not met) somewhere in the error's chain."""
+    seen = 0
+    while e is not None and seen < 5:
+        text = str(e)
+        if "PreconditionFailed" in text or "412" in text or "ConditionalRequestConflict" in text:
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
 class _Future:
+    """A pool future (a blocking call on the engine's threads): errors mapped, and its wait
+    bounded by the call's own bound (the call times out by itself: request_timeout_s)."""
+
     def __init__(self, future, where: str):
         self._future, self._where = future, where
 
@@ -60,6 +90,13 @@ class _Future:
             return self._future.result(timeout)
         except Exception as e:
             raise _mapped(e, self._where) from None
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def cancel(self) -> bool:
+        # Only a call not yet started is cancelled (concurrent.futures): nothing half-sent.
+        return self._future.cancel()
 
 
 class FsspecStorage(Storage):
@@ -71,17 +108,23 @@ class FsspecStorage(Storage):
     engine = "fsspec"
     conditional_writes = True
 
-    def __init__(self, fs, path: str, url: str, concurrency: int):
+    def __init__(self, fs, path: str, url: str, concurrency: int, timeout_s: float | None = None):
         from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
         from zarr.storage import FsspecStore
 
         self.fs, self._path, self._url, self._concurrency = fs, path.rstrip("/"), url.rstrip("/"), concurrency
+        # Every operation is bounded as a whole (request_timeout_s; None: unbounded, local).
+        self._timeout_s = timeout_s
         self._local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
         # Write-if-absent is atomic on local disk (O_EXCL) and on object stores (If-None-Match);
         # elsewhere fsspec checks, then writes.
         self._object_store = bool({"s3", "s3a", "gs", "gcs"} & set(
             fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)))
         self.conditional_writes = self._local or self._object_store
+        # Compare-and-swap on the ETag (PUT with If-Match, botocore >= 1.35.58) on s3fs; gcsfs
+        # has no conditional replace through fsspec (docs/storage.md, "Leases").
+        protocols = set(fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+        self.versioned_writes = bool({"s3", "s3a"} & protocols) and getattr(fs, "async_impl", False)
         async_fs = fs if getattr(fs, "async_impl", False) else AsyncFileSystemWrapper(fs, asynchronous=True)
         self.store = FsspecStore(fs=async_fs, path=self._path, read_only=False)
 
@@ -91,19 +134,36 @@ class FsspecStorage(Storage):
 
     def child(self, key: str) -> "FsspecStorage":
         key = key.strip("/")
-        return FsspecStorage(self.fs, f"{self._path}/{key}", f"{self._url}/{key}", self._concurrency)
+        return FsspecStorage(self.fs, f"{self._path}/{key}", f"{self._url}/{key}", self._concurrency,
+                             self._timeout_s)
 
     def parent(self) -> "FsspecStorage":
-        return FsspecStorage(self.fs, self._path.rsplit("/", 1)[0], self._url.rsplit("/", 1)[0], self._concurrency)
+        return FsspecStorage(self.fs, self._path.rsplit("/", 1)[0], self._url.rsplit("/", 1)[0], self._concurrency,
+                             self._timeout_s)
 
     def _full(self, key: str) -> str:
         return f"{self._path}/{key}" if key else self._path
 
-    def _sync(self, coroutine, where: str):
+    def _run(self, coroutine, where: str, op: str):
+        """Run `coroutine` on zarr's event loop, exceptions as raised, within request_timeout_s:
+        past it the coroutine is cancelled (its request abandoned) and a TimeoutError names
+        `where` and `op`."""
         from zarr.core.sync import sync
 
-        try:
+        if self._timeout_s is None:
             return sync(coroutine)
+        try:
+            return sync(asyncio.wait_for(coroutine, self._timeout_s))
+        except (TimeoutError, asyncio.TimeoutError):
+            raise _timed_out(where, op, self._timeout_s) from None
+
+    def _sync(self, coroutine, where: str, op: str = "request"):
+        try:
+            return self._run(coroutine, where, op)
+        except TimeoutError as e:
+            if e.errno == errno.ETIMEDOUT and e.filename == where:
+                raise
+            raise _mapped(e, where) from None
         except Exception as e:
             raise _mapped(e, where) from None
 
@@ -111,30 +171,34 @@ class FsspecStorage(Storage):
         """``fs.<method>(...)``, exceptions as raised. An asynchronous file system (s3fs, gcsfs:
         opened with ``asynchronous=True``) runs its coroutine on zarr's event loop, where the
         store's own I/O runs: its HTTP session belongs to that loop and may not be used from
-        another."""
+        another. Bounded by request_timeout_s there."""
         if getattr(self.fs, "asynchronous", False):
-            from zarr.core.sync import sync
-
-            return sync(getattr(self.fs, "_" + method)(*args, **kwargs))
+            path = args[0] if args and isinstance(args[0], str) else self._path
+            where = self._url + path[len(self._path):] if path.startswith(self._path) else path
+            return self._run(getattr(self.fs, "_" + method)(*args, **kwargs), where, method)
         return getattr(self.fs, method)(*args, **kwargs)
 
     # ---- bytes -------------------------------------------------------------------------
 
-    def _read(self, key: str, limit: int | None, start: int = 0) -> bytes:
+    def _read(self, key: str, limit: int | None, start: int = 0, *, links_within_root: bool = False) -> bytes:
         """At most `limit - start` bytes of the object, from `start` (to its end without a
-        `limit`). Confined as the Storage contract says: a validated key, and on local files no
-        link followed and only a regular file opened."""
+        `limit`): ``fs.cat_file(path, start, limit)`` through the store. Confined as the Storage
+        contract says: a validated key, and on local files no link followed (with
+        `links_within_root`: none that leaves the location) and only a regular file opened."""
         from zarr.abc.store import RangeByteRequest
         from zarr.core.buffer import default_buffer_prototype
 
         check_key(key)
         if self._local:
-            check_local_key(self._path, key)
+            check_local_key(self._path, key, links_within_root=links_within_root)
         byte_range = None if limit is None else RangeByteRequest(start, limit)
-        from zarr.core.sync import sync
-
         try:
-            buf = sync(self.store.get(key, prototype=default_buffer_prototype(), byte_range=byte_range))
+            buf = self._run(self.store.get(key, prototype=default_buffer_prototype(), byte_range=byte_range),
+                            self.where(key), "read")
+        except TimeoutError as e:
+            if e.errno == errno.ETIMEDOUT and e.filename == self.where(key):
+                raise
+            raise _mapped(e, self.where(key)) from None
         except Exception as e:
             if byte_range is not None and _range_not_satisfiable(e):
                 return b""  # gcsfs: a range starting at or past the end is HTTP 416, not b""
@@ -165,10 +229,34 @@ class FsspecStorage(Storage):
             out[start:start + len(data)] = np.frombuffer(data, np.uint8)
         return out
 
+    def size(self, key: str) -> int:
+        check_key(key)
+        if self._local:
+            check_local_key(self._path, key, links_within_root=True)
+        try:
+            return int(self._fs("size", self._full(key)))
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, "no such object", self.where(key)) from None
+        except Exception as e:
+            raise _mapped(e, self.where(key)) from None
+
+    def read_range(self, key: str, start: int, length: int, into: np.ndarray | None = None) -> np.ndarray:
+        """One ranged read of ``[start, start + length)`` (see Storage.read_range)."""
+        check_range(start, length)
+        where = self.where(key)
+        out = range_buffer(into, length, where)
+        data = self._read(key, start + length, start, links_within_root=True) if length else b""
+        if length == 0:
+            self.size(key)  # (a missing object is an error even for an empty range)
+        if len(data) != length:
+            raise range_short(where, start, length)
+        out[:] = np.frombuffer(data, np.uint8)
+        return out
+
     def _set(self, key: str, data: bytes) -> None:
         from zarr.core.buffer import cpu
 
-        self._sync(self.store.set(key, cpu.Buffer.from_bytes(data)), self.where(key))
+        self._sync(self.store.set(key, cpu.Buffer.from_bytes(data)), self.where(key), "write")
 
     def put(self, key: str, data: bytes) -> Any:
         return _Future(shared_pool("ckpt-fsspec", self._concurrency).submit(self._set, key, bytes(data)), self.where(key))
@@ -205,6 +293,49 @@ class FsspecStorage(Storage):
             if there:
                 raise FileExistsError(errno.EEXIST, "already exists", self.where(key)) from None
             raise _mapped(e, self.where(key)) from None
+
+    def _bucket_key(self, key: str) -> tuple[str, str]:
+        bucket, _, rest = self._full(key).partition("/")
+        return bucket, rest
+
+    def get_versioned(self, key: str, *, max_bytes: int) -> tuple[bytes | None, Any]:
+        """s3fs: one GetObject, its bytes and ETag (a missing object: (None, None))."""
+        check_key(key)
+        bucket, name = self._bucket_key(key)
+        fs = self.fs
+
+        async def read() -> tuple[bytes | None, Any]:
+            try:
+                out = await fs._call_s3("get_object", Bucket=bucket, Key=name, Range=f"bytes=0-{max_bytes}")
+            except FileNotFoundError:
+                return None, None
+            body = out["Body"]
+            try:
+                data = await body.read()
+            finally:
+                body.close()
+            return data, out.get("ETag")
+
+        data, etag = self._sync(read(), self.where(key), "read")
+        if data is not None and len(data) > max_bytes:
+            raise too_large(self.where(key), max_bytes)
+        return data, etag
+
+    def put_if_version(self, key: str, data: bytes, version: Any) -> Any:
+        """s3fs: PutObject with If-Match: <ETag> (If-None-Match: * for a missing object's
+        version); the new ETag, or None on 412 Precondition Failed."""
+        bucket, name = self._bucket_key(key)
+        match = {"IfMatch": version} if version is not None else {"IfNoneMatch": "*"}
+        try:
+            out = self._run(self.fs._call_s3("put_object", Bucket=bucket, Key=name, Body=bytes(data), **match),
+                            self.where(key), "conditional write")
+        except FileNotFoundError:
+            return None  # (If-Match on an object deleted meanwhile)
+        except Exception as e:
+            if _precondition_failed(e):
+                return None
+            raise _mapped(e, self.where(key)) from None
+        return out.get("ETag") or True
 
     def exists(self, key: str) -> bool:
         return bool(self._sync(self.store.exists(key), self.where(key)))

@@ -10,6 +10,10 @@ application-default credentials or an emulator named by ``STORAGE_EMULATOR_HOST`
 retried a bounded number of times (``OBJECT_STORE_RETRIES``), so that a server that keeps failing
 is an error within seconds instead of TensorStore's default of minutes. ``storage_options``
 entries override all of it.
+
+The environment is only read here, never written: every setting reaches its library explicitly
+(a kvstore spec, fsspec storage options, the file-system class opened). The one setting that
+has no explicit route, TensorStore's GCS endpoint, is the user's to set (``gcs_emulator_check``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from ckpt._errors import CheckpointError
-from ckpt._options import Options
+from ckpt._options import REQUEST_TIMEOUT_S, Options
 from ckpt.storage._base import Storage
 
 TENSORSTORE_SCHEMES = ("memory", "s3", "gs")
@@ -92,6 +96,7 @@ def default_engine(text: str) -> str:
 # that answers every request with an error (or none at all) surfaces as one. Six retries, 0.1 s
 # doubling to at most 5 s, ride out a restart of a few seconds and fail in about 7 s otherwise.
 OBJECT_STORE_RETRIES = {"max_retries": 6, "initial_delay": "100ms", "max_delay": "5s"}
+S3FS_RETRIES = 2
 
 
 def _emulator_url(host: str) -> str:
@@ -104,18 +109,18 @@ def gcs_emulator() -> str | None:
     return _emulator_url(host) if host and host != "default" else None
 
 
-def _use_gcs_emulator_in_tensorstore() -> bool:
-    """Point TensorStore's gcs kvstore at the emulator that ``STORAGE_EMULATOR_HOST`` names, as
-    Google's client libraries do. TensorStore reads ``TENSORSTORE_GCS_HTTP_URL`` when a store is
-    opened; an emulator takes no credentials, and ``GOOGLE_AUTH_TOKEN_FOR_TESTING`` keeps
-    TensorStore from looking for real ones (it would ask the GCE metadata server). Values the
-    user set win. Returns whether an emulator is in use."""
+def gcs_emulator_check(text: str) -> None:
+    """Refuse to send a ``gs://`` location to real GCS through TensorStore while
+    ``STORAGE_EMULATOR_HOST`` names an emulator. TensorStore's gcs kvstore takes its endpoint
+    only from the ``TENSORSTORE_GCS_HTTP_URL`` variable (its spec has no endpoint member), and
+    the library never writes the environment: the user sets it (docs/storage.md, "S3 and GCS")."""
     url = gcs_emulator()
-    if url is None:
-        return False
-    os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", url)
-    os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
-    return True
+    if url is not None and not os.environ.get("TENSORSTORE_GCS_HTTP_URL", "").strip():
+        raise CheckpointError(
+            f"{text}: STORAGE_EMULATOR_HOST names a GCS emulator ({url}), but TensorStore takes its GCS endpoint "
+            f"only from TENSORSTORE_GCS_HTTP_URL, which is not set: set TENSORSTORE_GCS_HTTP_URL={url} (and "
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING=emulator, so that TensorStore does not look for credentials) before "
+            "opening it, or use engine='fsspec' (gcsfs honours STORAGE_EMULATOR_HOST itself)")
 
 
 def tensorstore_spec(text: str, storage_options: dict) -> tuple[dict, str]:
@@ -147,7 +152,7 @@ def tensorstore_spec(text: str, storage_options: dict) -> tuple[dict, str]:
         spec["s3_request_retries"] = dict(OBJECT_STORE_RETRIES)
         return {**spec, **storage_options}, "s3"
     if scheme == "gs":
-        _use_gcs_emulator_in_tensorstore()
+        gcs_emulator_check(text)
         spec["gcs_request_retries"] = dict(OBJECT_STORE_RETRIES)
         return {**spec, "driver": "gcs", **storage_options}, "gcs"
     import tensorstore as ts
@@ -175,6 +180,7 @@ def open_storage(location: Any, options: Options) -> Storage:
         raise ValueError(f"unknown storage engine {engine!r}; engines: {', '.join(ENGINES)}")
     storage_options = dict(options.storage_options or {})
     concurrency = options.io_concurrency
+    request_timeout = options.request_timeout_s or REQUEST_TIMEOUT_S
     if engine == "local":
         if scheme_of(text) != "file":
             raise CheckpointError(f"the local engine serves local paths and file:// URLs, not {text!r}")
@@ -188,7 +194,10 @@ def open_storage(location: Any, options: Options) -> Storage:
         # fake-gcs-server and other emulators ignore ifGenerationMatch on the simple uploads
         # TensorStore sends: write-if-absent is not atomic there (real GCS honours it).
         atomic = not (kind == "gcs" and gcs_emulator() is not None)
-        return TensorStoreStorage(spec, text, shared_context(kind, concurrency), conditional_writes=atomic)
+        # Every request's wait is bounded, except on local files.
+        timeout = None if kind in ("file", "local") else request_timeout
+        return TensorStoreStorage(spec, text, shared_context(kind, concurrency), conditional_writes=atomic,
+                                  timeout_s=timeout)
     import fsspec
 
     scheme = scheme_of(text)
@@ -197,21 +206,46 @@ def open_storage(location: Any, options: Options) -> Storage:
     url = text if "://" in text else "file://" + text
     if scheme == "file":
         storage_options.setdefault("auto_mkdir", True)
-    _object_store_defaults(scheme, storage_options, concurrency)
+    _object_store_defaults(scheme, storage_options, concurrency, request_timeout)
     try:
-        if getattr(fsspec.get_filesystem_class(scheme), "async_impl", False):
+        fs_class = _fs_class(scheme)
+        if getattr(fs_class, "async_impl", False):
             # zarr's FsspecStore runs the I/O on its own event loop; a file system made for
             # that loop (asynchronous=True) is what FsspecStorage drives its own calls through.
             storage_options.setdefault("asynchronous", True)
-        fs, path = fsspec.core.url_to_fs(url, **storage_options)
+        if fs_class is fsspec.get_filesystem_class(scheme):
+            fs, path = fsspec.core.url_to_fs(url, **storage_options)
+        else:
+            fs, path = fs_class(**storage_options), fs_class._strip_protocol(url)
     except ImportError as e:
         raise CheckpointError(f"the fsspec engine needs a package for {scheme}:// locations: {e}") from None
     from ckpt.storage._fsspec import FsspecStorage
 
-    return FsspecStorage(fs, path, text, concurrency)
+    if scheme in ("s3", "s3a") and getattr(fs, "retries", None) == 5:
+        # s3fs's own retry loop around botocore's (5 by default: 25 attempts of a PUT that gets
+        # SlowDown every time); 2 x botocore's 5 attempts here (issue 28, item 5).
+        fs.retries = S3FS_RETRIES
+    return FsspecStorage(fs, path, text, concurrency,
+                         timeout_s=None if scheme in ("file", "local") else request_timeout)
 
 
-def _object_store_defaults(scheme: str, storage_options: dict, concurrency: int) -> None:
+def _fs_class(scheme: str) -> type:
+    """The fsspec file-system class for `scheme`: the registered one, except for gs:// with an
+    emulator (``STORAGE_EMULATOR_HOST``). gcsfs registers its experimental ``ExtendedGcsFileSystem``
+    (unless ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` was set before its import), whose bucket
+    probe emulators do not answer (each bucket operation would wait 60 s): its core
+    ``GCSFileSystem`` is opened instead, chosen here rather than through the environment."""
+    import fsspec
+
+    if scheme in ("gs", "gcs") and gcs_emulator() is not None:
+        from gcsfs.core import GCSFileSystem
+
+        return GCSFileSystem
+    return fsspec.get_filesystem_class(scheme)
+
+
+def _object_store_defaults(scheme: str, storage_options: dict, concurrency: int,
+                           timeout_s: float | None = None) -> None:
     """Defaults for s3fs and gcsfs, under what the caller passed.
 
     Both cache directory listings per file-system instance, which would hide objects other
@@ -220,14 +254,22 @@ def _object_store_defaults(scheme: str, storage_options: dict, concurrency: int)
     ~/.aws files through botocore itself; botocore's region variable is AWS_DEFAULT_REGION, so
     AWS_REGION is passed on where that is unset. gcsfs reads STORAGE_EMULATOR_HOST itself; with
     an emulator it needs no credentials (token 'anon', instead of probing the GCE metadata
-    server) and its hierarchical-namespace probe, which emulators do not answer (each bucket
-    operation would wait 60 s), must be off before gcsfs is imported.
+    server), and its core class is opened (``_fs_class``).
     """
     if scheme in ("s3", "s3a"):
         storage_options.setdefault("use_listings_cache", False)
         # botocore keeps at most 10 connections by default: as many as requests in flight.
         config = dict(storage_options.get("config_kwargs") or {})
         config.setdefault("max_pool_connections", concurrency)
+        if timeout_s is not None:
+            # Bounded time (issue 28): botocore's per-request timeouts, and retries bounded in
+            # count (standard mode: exponential backoff with jitter); s3fs retries SlowDown and a
+            # few errors itself on top (its class attribute `retries`, 5: 2 here, set on the
+            # instance in open_storage). Every operation is also bounded as a whole by the engine
+            # (FsspecStorage: request_timeout_s).
+            config.setdefault("connect_timeout", min(timeout_s, 10.0))
+            config.setdefault("read_timeout", timeout_s)
+            config.setdefault("retries", {"max_attempts": 5, "mode": "standard"})
         storage_options["config_kwargs"] = config
         region = os.environ.get("AWS_REGION")
         if region and not os.environ.get("AWS_DEFAULT_REGION") and "client_kwargs" not in storage_options:
@@ -236,4 +278,3 @@ def _object_store_defaults(scheme: str, storage_options: dict, concurrency: int)
         storage_options.setdefault("use_listings_cache", False)
         if gcs_emulator() is not None:
             storage_options.setdefault("token", "anon")
-            os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")

@@ -9,15 +9,24 @@ import os
 import re
 import shutil
 import threading
+import time
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
 from ckpt._errors import CheckpointError
-from ckpt._geometry import Box, box_to_index, chunk_index_of, chunk_key
 from ckpt._format import ArraySpec, zarr_metadata
-from ckpt.storage._base import Storage, read_buffer, size_mismatch, too_large
+from ckpt._geometry import Box, box_to_index, chunk_index_of, chunk_key
+from ckpt.storage._base import (
+    Storage,
+    check_range,
+    range_buffer,
+    range_short,
+    read_buffer,
+    size_mismatch,
+    too_large,
+)
 from ckpt.storage._confine import check_key, check_local_key
 
 # TensorStore reports failures as ValueError("<absl status code>: <message>").
@@ -54,17 +63,61 @@ def storage_error(e: BaseException, where: str) -> BaseException:
     return OSError(code, f"{text.split(' [', 1)[0]}", where)
 
 
-class MappedFuture:
-    """A TensorStore future whose errors come out as storage_error()s."""
+def timed_out(where: str, op: str, timeout_s: float) -> TimeoutError:
+    """The error of a storage operation that got no answer within its bound (request_timeout_s)."""
+    return TimeoutError(errno.ETIMEDOUT, f"{op}: no answer within {timeout_s:g} s (request_timeout_s); gave up", where)
 
-    def __init__(self, future: Any, where: str):
+
+def _deadline(timeout_s: float | None) -> float | None:
+    return None if timeout_s is None else time.monotonic() + timeout_s
+
+
+def wait_for(future: Any, deadline: float | None, timeout_s: float | None, where: str, op: str) -> Any:
+    """``future.result()`` (exceptions as raised), waiting no later than `deadline` (a
+    time.monotonic(); None: unbounded); then the future is cancelled (TensorStore stops
+    retrying it) and a TimeoutError names `where` and `op`."""
+    if deadline is None:
+        return future.result()
+    try:
+        return future.result(timeout=max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        if not future.done():
+            future.cancel()
+            raise timed_out(where, op, timeout_s) from None
+    return future.result()  # (finished just as the wait ran out)
+
+
+class MappedFuture:
+    """A TensorStore future whose errors come out as storage_error()s, bounded in time from its
+    start by `timeout_s` (None: unbounded). `cancellable`: ``cancel()`` reaches TensorStore
+    (only where a write cancelled mid-flight cannot recreate anything after a cleanup that
+    follows: object stores)."""
+
+    def __init__(self, future: Any, where: str, timeout_s: float | None = None, op: str = "request",
+                 cancellable: bool = False):
         self._future, self._where = future, where
+        self._timeout_s, self._deadline, self._op, self._cancellable = timeout_s, _deadline(timeout_s), op, cancellable
+        self._timed_out: TimeoutError | None = None
 
     def result(self, timeout: float | None = None) -> Any:
+        if self._timed_out is not None:
+            raise self._timed_out
         try:
-            return self._future.result(timeout=timeout)
+            if timeout is not None and (self._deadline is None or time.monotonic() + timeout < self._deadline):
+                return self._future.result(timeout=timeout)  # the caller's wait: nothing cancelled
+            return wait_for(self._future, self._deadline, self._timeout_s, self._where, self._op)
+        except TimeoutError as e:
+            if e.errno == errno.ETIMEDOUT:  # its own bound ran out: it was cancelled
+                self._timed_out = e
+            raise
         except Exception as e:
             raise storage_error(e, self._where) from None
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def cancel(self) -> bool:
+        return bool(self._cancellable and self._future.cancel())
 
 
 # Objects are read as ranged GETs of at most this many bytes, each copied into the caller's
@@ -145,7 +198,8 @@ class _ObjectRead:
         kv = self._storage.kv
         while n > 0 and len(self._pending) < len(self._ranges):
             a, b = self._ranges[len(self._pending)]
-            self._pending.append((a, b, kv.read(self._key, byte_range=slice(a, b))))
+            self._pending.append((a, b, kv.read(self._key, byte_range=slice(a, b)),
+                                  _deadline(self._storage._timeout_s)))
             n -= 1
 
     def result(self, timeout: float | None = None) -> np.ndarray:
@@ -163,15 +217,15 @@ class _ObjectRead:
                     self._issue(i + self._window - len(self._pending))
                 except Exception as e:
                     raise storage_error(e, s.where(key)) from None
-                start, stop, future = self._pending[i]
+                start, stop, future, deadline = self._pending[i]
                 self._pending[i] = None
-                data = s._part(key, future, nbytes)
+                data = s._part(key, future, nbytes, deadline)
                 if len(data) != stop - start:
                     raise CheckpointError(f"{s.where(key)} is truncated: it holds fewer than the {nbytes} bytes expected")
                 out[start:stop] = np.frombuffer(data, np.uint8)
                 s._last_part = data
                 del data
-            _refuse_longer(self._probe, s.where(key), nbytes)
+            _refuse_longer(self._probe, s.where(key), nbytes, s._timeout_s)
             return out
         finally:
             self._pending = []
@@ -186,11 +240,14 @@ def _output(into: np.ndarray | None, nbytes: int, where: str) -> np.ndarray:
     return read_buffer(nbytes, where)
 
 
-def _refuse_longer(probe, where: str, nbytes: int) -> None:
+def _refuse_longer(probe, where: str, nbytes: int, timeout_s: float | None = None) -> None:
     """Raise if `probe` (a read of the byte just past the expected end, or None) found one:
     the object is longer than recorded."""
     try:
-        longer = probe is not None and probe.result().state == "value"
+        longer = probe is not None and wait_for(probe, _deadline(timeout_s), timeout_s, where,
+                                                "read").state == "value"
+    except TimeoutError:
+        raise
     except Exception as e:
         if not str(e).startswith("OUT_OF_RANGE"):
             raise storage_error(e, where) from None
@@ -205,11 +262,20 @@ class TensorStoreStorage(Storage):
     engine = "tensorstore"
     reads_into_buffers = True
 
-    def __init__(self, kvstore: dict, url: str, context: ts.Context, *, conditional_writes: bool = True):
+    def __init__(self, kvstore: dict, url: str, context: ts.Context, *, conditional_writes: bool = True,
+                 timeout_s: float | None = None):
         self._spec = dict(kvstore)
         self._url = url.rstrip("/")
         self._context = context
         self.conditional_writes = conditional_writes
+        # Generations: every kvstore driver here has them (memory, file, s3: ETag, gcs); a
+        # compare-and-swap needs them honoured, which conditional_writes says.
+        self.versioned_writes = conditional_writes
+        self._remote = self._spec.get("driver") in ("s3", "gcs")
+        # Remote stores skip the one-byte probe past a chunk's end (see _ObjectRead).
+        self.reads_refuse_longer = not self._remote
+        # Every wait on a request is bounded (request_timeout_s); None: local files, unbounded.
+        self._timeout_s = timeout_s
         self._kv: ts.KvStore | None = None
         self._lock = threading.Lock()
         # The latest part's bytes, kept while object reads are in flight (see _ObjectRead).
@@ -224,7 +290,7 @@ class TensorStoreStorage(Storage):
 
     def _with_path(self, path: str, url: str) -> "TensorStoreStorage":
         return type(self)({**self._spec, "path": path}, url, self._context,
-                          conditional_writes=self.conditional_writes)
+                          conditional_writes=self.conditional_writes, timeout_s=self._timeout_s)
 
     def child(self, key: str) -> "TensorStoreStorage":
         key = key.strip("/")
@@ -240,23 +306,28 @@ class TensorStoreStorage(Storage):
         with self._lock:
             if self._kv is None:
                 try:
-                    self._kv = ts.KvStore.open(self._spec, context=self._context).result()
+                    self._kv = wait_for(ts.KvStore.open(self._spec, context=self._context),
+                                        _deadline(self._timeout_s), self._timeout_s, self._url, "open")
+                except TimeoutError:
+                    raise
                 except Exception as e:
                     raise storage_error(e, self._url) from None
             return self._kv
 
     # ---- bytes -------------------------------------------------------------------------
 
-    def _read(self, key: str, byte_range: slice | None = None) -> bytes | None:
+    def _read(self, key: str, byte_range: slice | None = None, *, links_within_root: bool = False) -> bytes | None:
         """The object's bytes (those in `byte_range` only); None when the range ends past the
         object's end. Confined as the Storage contract says: a validated key, and on local files
-        no link followed and nothing but a regular file opened (the file driver follows links
-        and would block on a FIFO)."""
+        no link followed (with `links_within_root`: none that leaves the location) and nothing
+        but a regular file opened (the file driver follows links and would block on a FIFO)."""
         check_key(key)
         if self._spec.get("driver") == "file":
-            check_local_key(self._spec["path"], key)
+            check_local_key(self._spec["path"], key, links_within_root=links_within_root)
         try:
-            r = self.kv.read(key, byte_range=byte_range).result()
+            r = self._wait(self.kv.read(key, byte_range=byte_range), key, "read")
+        except TimeoutError:
+            raise
         except Exception as e:
             if byte_range is not None and str(e).startswith("OUT_OF_RANGE"):
                 return None
@@ -276,6 +347,27 @@ class TensorStoreStorage(Storage):
 
     def read_exact(self, key: str, nbytes: int, into: np.ndarray | None = None) -> np.ndarray:
         return _ObjectRead(self, key, nbytes, into, PARTS_IN_FLIGHT).result()
+
+    def size(self, key: str) -> int | None:
+        """Local files: their size (links under the location followed). Elsewhere a kvstore
+        tells no size without a read: None once a listing says the object exists."""
+        check_key(key)
+        if self._spec.get("driver") == "file":
+            return os.stat(check_local_key(self._spec["path"], key, links_within_root=True)).st_size
+        if not self.exists(key):
+            raise FileNotFoundError(errno.ENOENT, "no such object", self.where(key))
+        return None
+
+    def read_range(self, key: str, start: int, length: int, into: np.ndarray | None = None) -> np.ndarray:
+        """One ``KvStore.read(key, byte_range=...)`` of the range (see Storage.read_range)."""
+        check_range(start, length)
+        where = self.where(key)
+        out = range_buffer(into, length, where)
+        data = self._read(key, slice(start, start + length), links_within_root=True)
+        if data is None or len(data) != length:  # (TensorStore: OUT_OF_RANGE past the end)
+            raise range_short(where, start, length)
+        out[:] = np.frombuffer(data, np.uint8)
+        return out
 
     def read_chunk_async(self, path: str, index: tuple[int, ...], nbytes: int, executor: Any = None,
                          into: np.ndarray | None = None) -> Any:
@@ -307,9 +399,15 @@ class TensorStoreStorage(Storage):
             if self._object_reads <= 0:
                 self._object_reads, self._last_part = 0, None  # nothing outlives the reads
 
-    def _part(self, key: str, future: Any, nbytes: int) -> bytes:
+    def _wait(self, future: Any, key: str, op: str) -> Any:
+        """A request's result (TensorStore's exceptions as raised), within request_timeout_s."""
+        return wait_for(future, _deadline(self._timeout_s), self._timeout_s, self.where(key), op)
+
+    def _part(self, key: str, future: Any, nbytes: int, deadline: float | None = None) -> bytes:
         try:
-            r = future.result()
+            r = wait_for(future, deadline, self._timeout_s, self.where(key), "read")
+        except TimeoutError:
+            raise
         except Exception as e:
             if str(e).startswith("OUT_OF_RANGE"):
                 # Shorter than a part that ends at most at nbytes: reading it whole to say its
@@ -320,20 +418,47 @@ class TensorStoreStorage(Storage):
             raise FileNotFoundError(errno.ENOENT, "no such object", self.where(key))
         return r.value
 
+    def _future(self, future: Any, key: str, op: str, cancellable: bool = False) -> MappedFuture:
+        return MappedFuture(future, self.where(key), self._timeout_s, op, cancellable)
+
     def put(self, key: str, data: bytes) -> Any:
-        return MappedFuture(self.kv.write(key, bytes(data)), self.where(key))
+        return self._future(self.kv.write(key, bytes(data)), key, "write")
 
     def put_if_absent(self, key: str, data: bytes) -> None:
         # b"\x02" is TensorStore's "no value" generation: the write happens only if the key is
         # absent (If-None-Match: * on S3). A failed condition returns an empty generation.
-        result = MappedFuture(self.kv.write(key, bytes(data), if_equal=b"\x02"), self.where(key)).result()
+        result = self._future(self.kv.write(key, bytes(data), if_equal=b"\x02"), key, "conditional write").result()
         if not result.generation:
             raise FileExistsError(errno.EEXIST, "already exists", self.where(key))
+
+    def get_versioned(self, key: str, *, max_bytes: int) -> tuple[bytes | None, Any]:
+        """(bytes, generation) from one read (a missing object: (None, the "no value"
+        generation)); an object over `max_bytes` is a CheckpointError (small objects only:
+        leases)."""
+        check_key(key)
+        try:
+            if self._read(key, slice(max_bytes, max_bytes + 1)):  # never more than max_bytes read
+                raise too_large(self.where(key), max_bytes)
+        except FileNotFoundError:
+            pass
+        r = self._future(self.kv.read(key), key, "read").result()
+        if r.state != "value":
+            return None, b"\x02"
+        if len(r.value) > max_bytes:
+            raise too_large(self.where(key), max_bytes)
+        return r.value, r.stamp.generation
+
+    def put_if_version(self, key: str, data: bytes, version: Any) -> Any:
+        # S3: PUT with If-Match: <ETag>; GCS: ifGenerationMatch; memory/file: the generation.
+        result = self._future(self.kv.write(key, bytes(data), if_equal=version), key, "conditional write").result()
+        return result.generation or None
 
     def _list(self, prefix: str) -> list[str]:
         rng = ts.KvStore.KeyRange(prefix, _successor(prefix))
         try:
-            keys = self.kv.list(rng, strip_prefix_length=len(prefix)).result()
+            keys = self._wait(self.kv.list(rng, strip_prefix_length=len(prefix)), prefix, "list")
+        except TimeoutError:
+            raise
         except Exception as e:
             raise storage_error(e, self.where(prefix)) from None
         return [k.decode("utf-8", "surrogateescape") for k in keys]
@@ -343,7 +468,9 @@ class TensorStoreStorage(Storage):
         # strip_prefix_length: TensorStore drops keys that it strips to '' (the s3 kvstore does).
         rng = ts.KvStore.KeyRange(key, _successor(key))
         try:
-            keys = self.kv.list(rng).result()
+            keys = self._wait(self.kv.list(rng), key, "list")
+        except TimeoutError:
+            raise
         except Exception as e:
             raise storage_error(e, self.where(key)) from None
         return key.encode("utf-8", "surrogateescape") in keys
@@ -372,12 +499,12 @@ class TensorStoreStorage(Storage):
         return sorted(files), sorted(dirs)
 
     def delete(self, key: str) -> None:
-        MappedFuture(self.kv.write(key, None), self.where(key)).result()
+        self._future(self.kv.write(key, None), key, "delete").result()
 
     def delete_tree(self, prefix: str = "") -> None:
         prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         rng = ts.KvStore.KeyRange(prefix, _successor(prefix))
-        MappedFuture(self.kv.delete_range(rng), self.where(prefix)).result()
+        self._future(self.kv.delete_range(rng), prefix, "delete").result()
         if self._spec.get("driver") == "file":  # the file driver leaves the empty directories
             shutil.rmtree(self._spec["path"] + prefix, ignore_errors=True)
 
@@ -403,7 +530,7 @@ class TensorStoreStorage(Storage):
 
     def open_arrays(self, arrays: dict[Any, tuple[str, ArraySpec]]) -> dict[Any, Any]:
         futures = {k: (path, spec, self._open_write(path, spec)) for k, (path, spec) in arrays.items()}
-        return {k: (MappedFuture(f, self.where(path)).result(), path, spec.chunk_shape)
+        return {k: (self._future(f, path, "open").result(), path, spec.chunk_shape)
                 for k, (path, spec, f) in futures.items()}
 
     def write_chunk(self, handle: Any, box: Box, data: np.ndarray) -> Any:
@@ -412,4 +539,7 @@ class TensorStoreStorage(Storage):
         # nothing references it any more).
         array, path, chunk_shape = handle
         fut = array[box_to_index(box)].write(data, can_reference_source_data_indefinitely=True)
-        return MappedFuture(fut, self.where(f"{path}/{chunk_key(chunk_index_of(box, chunk_shape))}"))
+        # Cancellable on object stores (a save that stopped at its first failed chunk drops the
+        # writes TensorStore has not sent; an S3 PUT lands whole or not at all).
+        return self._future(fut, f"{path}/{chunk_key(chunk_index_of(box, chunk_shape))}", "write",
+                            cancellable=self._remote)
