@@ -421,7 +421,7 @@ if __name__ == "__main__":
         print("SeaweedFS is up; in another shell:")
         for k, v in server.env().items():
             print(f"export {k}={v}")
-        print(f"# metrics: {server.metrics_url}\n# then: python -m ckpt.bench --url s3://ckpt-bench/run")
+        print(f"# metrics: {server.metrics_url}\n# then, from the repository root: python -m bench --url s3://ckpt-bench/run")
         sys.stdout.flush()
         try:
             server.proc.wait()

@@ -421,7 +421,7 @@ def test_s3_requests_get_timeouts_and_bounded_retries():
                                                                             "key": "k", "secret": "s"}).resolved())
     config = storage.fs.config_kwargs
     assert config["read_timeout"] == 20 and config["connect_timeout"] == 10
-    assert config["retries"] == {"max_attempts": 5, "mode": "standard"}
+    assert config["retries"] == {"max_attempts": 5, "mode": "legacy"}
     assert "request_checksum_calculation" not in config  # botocore default: when_supported
     assert storage.fs.retries == 2
     assert storage.versioned_writes

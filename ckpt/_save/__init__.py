@@ -545,7 +545,11 @@ class _SaveJob:
         try:
             sums = _write_chunks(_StopOnCancel(self.staged.storage, self.cancel, final), self.leaves, chunks,
                                  primary, copied, budget, self.options.max_inflight_bytes, self.staged.prefix,
-                                 self.stacks, pressed)
+                                 self.stacks, pressed,
+                                 # Object stores: at most two requests per I/O slot in flight
+                                 # (the engine runs io_concurrency at once; one more each keeps
+                                 # them busy), so a failing chunk stops the save within one round.
+                                 max_inflight_writes=None if self.storage.renames else 2 * self.options.io_concurrency)
         except BaseException as e:
             error = e
         # The point of no return: past it, cancel() refuses; before it, a cancel (here, or on

@@ -66,7 +66,7 @@ class _InFlight:
 
 def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, primary: bool,
                   copied: threading.Event, budget: SaveBudget, max_inflight_bytes: int, prefix: str = "",
-                  stacks: list[Stack] = (), pressed: bool = False) -> dict:
+                  stacks: list[Stack] = (), pressed: bool = False, max_inflight_writes: int | None = None) -> dict:
     """Write this process's chunks as their host copies arrive; return their CRC-32Cs, by array
     id (see array_specs) and flat chunk index.
 
@@ -77,6 +77,10 @@ def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, pri
     checksums wait until a write is retired: the disk starts working without slowing the copies
     the caller waits for. Otherwise writes go out up to `max_inflight_bytes` and checksums are
     computed while they are in flight (direct I/O leaves the CPU idle meanwhile).
+
+    `max_inflight_writes` bounds the writes handed to storage and not yet retired (object
+    stores: so that once one chunk has given up after its retries, at most that many others
+    were started, whatever the chunk sizes: issue 28, a SlowDown on every PUT).
     """
     specs = array_specs(leaves, stacks)
     handles = storage.open_arrays(specs)
@@ -170,7 +174,8 @@ def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, pri
                 continue
             fast = pressed or ended or copied.is_set()
             limit = max_inflight_bytes if fast else min(COPYING_INFLIGHT_BYTES, max_inflight_bytes)
-            if queued and (not inflight or inflight_bytes + queued[0][0].nbytes <= limit):
+            if queued and (not inflight or (inflight_bytes + queued[0][0].nbytes <= limit
+                                            and (max_inflight_writes is None or len(inflight) < max_inflight_writes))):
                 spot_check()
                 submit(queued.popleft())
                 continue

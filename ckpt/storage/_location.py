@@ -263,13 +263,15 @@ def _object_store_defaults(scheme: str, storage_options: dict, concurrency: int,
         config.setdefault("max_pool_connections", concurrency)
         if timeout_s is not None:
             # Bounded time (issue 28): botocore's per-request timeouts, and retries bounded in
-            # count (standard mode: exponential backoff with jitter); s3fs retries SlowDown and a
+            # count (legacy mode, botocore's default: unlike "standard" it retries a 429
+            # TooManyRequests, which SeaweedFS answers under load; tests/test_s3_faults.py
+            # injects it); s3fs retries SlowDown and a
             # few errors itself on top (its class attribute `retries`, 5: 2 here, set on the
             # instance in open_storage). Every operation is also bounded as a whole by the engine
             # (FsspecStorage: request_timeout_s).
             config.setdefault("connect_timeout", min(timeout_s, 10.0))
             config.setdefault("read_timeout", timeout_s)
-            config.setdefault("retries", {"max_attempts": 5, "mode": "standard"})
+            config.setdefault("retries", {"max_attempts": 5, "mode": "legacy"})
         storage_options["config_kwargs"] = config
         region = os.environ.get("AWS_REGION")
         if region and not os.environ.get("AWS_DEFAULT_REGION") and "client_kwargs" not in storage_options:
