@@ -19,21 +19,15 @@ def setup_devices(n: int) -> None:
 
 
 def evict(root: str) -> None:
-    for d, _, files in os.walk(root):
-        for f in files:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    from ckpt.cli import _bench  # (the installed `ckpt bench`'s: one definition)
+
+    _bench.evict(root)
 
 
 def prefault(nbytes: int) -> None:
-    """Touch and free memory (untimed) so each timed region finds the host's pages ready."""
-    import numpy as np
+    from ckpt.cli import _bench
 
-    a = np.ones(nbytes // 8, dtype=np.float64)
-    del a
+    _bench.prefault(nbytes)
 
 
 def make_tree(gib: float, mesh):
