@@ -60,16 +60,28 @@ def received() -> bool:
     return _received.is_set()
 
 
-def hand_on() -> None:
-    """Give a received SIGTERM to the handler that was there before ours (every manager stops
-    watching)."""
+_NO_NOTICE = object()
+
+
+def _take_notice():
+    """Stop holding a received SIGTERM (every manager stops watching, the previous handler is put
+    back); the handler that was there before ours, or _NO_NOTICE when none was received."""
     with _lock:
         if not _received.is_set():
-            return
+            return _NO_NOTICE
         _received.clear()
         _watchers.clear()
         previous = _previous
         _restore_previous()
+    return previous
+
+
+def hand_on() -> None:
+    """Give a received SIGTERM to the handler that was there before ours (every manager stops
+    watching)."""
+    previous = _take_notice()
+    if previous is _NO_NOTICE:
+        return
     if callable(previous):
         previous(signal.SIGTERM, None)
     elif previous in (signal.SIG_DFL, None):
@@ -82,13 +94,9 @@ def consume() -> None:
     handler installed before ours gets it now; the default action (the process ends) is left to
     the training loop, which sees ``reached_preemption``; SIG_IGN drops it. Every manager stops
     watching and the previous handler is put back."""
-    with _lock:
-        if not _received.is_set():
-            return
-        _received.clear()
-        _watchers.clear()
-        previous = _previous
-        _restore_previous()
+    previous = _take_notice()
+    if previous is _NO_NOTICE:
+        return
     if callable(previous):
         previous(signal.SIGTERM, None)
 
