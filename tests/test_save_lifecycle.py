@@ -212,7 +212,17 @@ def _main_thread_in_wait() -> bool:
     return False
 
 
-def test_ctrl_c_during_wait_cancels_the_save(location):
+@pytest.fixture
+def ctrl_c_raises():
+    """Ctrl-C as a terminal delivers it: SIGINT raises KeyboardInterrupt. A process started in the
+    background by a non-interactive shell (as CI may start the suite) inherits SIGINT ignored,
+    and Python then installs no handler: set the default one for the test, put the old one back."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_during_wait_cancels_the_save(location, ctrl_c_raises):
     faults = Faults()
     gate = faults.hold("write_chunk", times=1)
     handle = ckpt.save_async(location("ck"), _arrays(), options=faults.options(pack_limit_bytes=0))
@@ -298,7 +308,8 @@ def test_commit_failure_without_text_names_the_type(location):
 def test_ctrl_c_while_the_exit_waits_cancels_the_save(tmp_path):
     path = str(tmp_path / "a")
     prelude_and_body = f"""
-import os, sys, time
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (as at a terminal, whatever was inherited)
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, {HERE!r})
