@@ -80,6 +80,7 @@ class Reader:
         # Read buffers reused batch after batch, where the engine reads into given buffers.
         self.buffers = ReadBuffers(self.budget) if getattr(storage, "reads_into_buffers", False) else None
         self._plans: dict[tuple, LeafReadPlan] = {}
+        self._bounds: dict[int, Box] = {}  # id(a template's regions) -> their bounding box (_groups)
 
     def plan(self, want: _Want) -> LeafReadPlan:
         rec = self.leaves[want.index]
@@ -98,7 +99,12 @@ class Reader:
                 boxes = [index_to_box(idx, rec.shape)
                          for idx in sharding.addressable_devices_indices_map(rec.shape).values()]
             template = self._plans[key] = plan_leaf_read(want.index, rec.shape, rec.chunk_shape, itemsize, boxes)
-        return template if template.leaf == want.index else LeafReadPlan(want.index, template.regions, template.chunks)
+        if template.leaf == want.index:
+            return template
+        plan = LeafReadPlan(want.index, template.regions, template.chunks)
+        # Its sums are the template's (functools.cached_property keeps them in __dict__).
+        plan.__dict__.update(bytes_needed=template.bytes_needed, bytes_read=template.bytes_read)
+        return plan
 
     # ---- units and their sources -------------------------------------------------------
 
@@ -181,7 +187,9 @@ class Reader:
             # A small leaf is one unit, its regions' bounding box: read and assembled once, cut
             # per device as it is placed (one make_array_from_callback; place._Build.whole), not
             # one unit per device.
-            bound = _bounding_box(regions)
+            bound = self._bounds.get(id(plan.regions))
+            if bound is None:  # (leaves of one plan template share it: Reader.plan)
+                bound = self._bounds[id(plan.regions)] = _bounding_box(regions)
             if self._small(box_size(bound) * max(rec_itemsize(rec), np.dtype(want.dtype).itemsize)):
                 return [[self._unit(k, rec, want, bound, bound)]]
         if not split or rec.zarr is None or not regions:
