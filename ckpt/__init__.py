@@ -5,7 +5,8 @@ Public API:
     save_async(path, tree, *, overwrite=False, options=None, host_budget_bytes=None,
                max_chunk_bytes=None) -> SaveHandle   (.wait(timeout=None), .done(), .cancel();
                a save not waited for finishes before the interpreter exits)
-    restore(path, target=None, *, mesh=None, partial=False, verify=True, options=None)
+    restore(path, target=None, *, mesh=None, partial=False, verify=True, options=None,
+            host_budget_bytes=None, allow_lossy_cast=False, axis_names=None)
     metadata(path, *, options=None)
     convert(src, dest, *, overwrite=False, options=None)   (an Orbax checkpoint -> jax-ckpt)
     CheckpointManager(directory, ..., options=None)

@@ -24,11 +24,11 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 
 from ckpt._errors import CheckpointError
-from ckpt._format import ARRAY_KINDS, PRNG_KEY, LeafRecord, display_path, leaf_components, read_manifest
+from ckpt._format import ARRAY_KINDS, PRNG_KEY, LeafRecord, display_path, leaf_components
 from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import Box, ShardingInfo, chunk_box, chunk_grid, full_box
 from ckpt._options import Options, resolve
-from ckpt._restore import CODES, INDEX_NAME, META_KEY, SINGLE_NAME, plan_leaf_read
+from ckpt._restore import CODES, INDEX_NAME, META_KEY, SINGLE_NAME, plan_leaf_read, require_manifest
 from ckpt.storage import open_storage
 
 __all__ = ["ExportResult", "export"]
@@ -47,8 +47,9 @@ class ExportResult:
         files: the files written, full paths: the shards, then the index when there is one.
         tensors: tensor name -> the file (name inside `out`) that holds it.
         bytes: bytes of tensor data written (headers not counted).
-        skipped: key paths of leaves that are not tensors (numbers, strings, PRNG keys).
-        dropped: key paths of arrays that `rename` dropped.
+        skipped: default tensor names (key paths joined with '.', as `rename` receives them)
+            of the leaves that are not tensors: numbers, strings and PRNG keys.
+        dropped: default tensor names (the same style) of the arrays that `rename` dropped.
     """
 
     files: tuple[str, ...]
@@ -86,12 +87,15 @@ def _entries(manifest, rename: Rename | None) -> tuple[list[_Entry], list[str], 
     entries, skipped, dropped, seen = [], [], [], {}
     for i, rec in enumerate(manifest.leaves):
         path = display_path("/".join(comps[i]))
+        # skipped and dropped are reported as tensor names are (and as `rename` sees them):
+        # one naming style across ExportResult.
+        default = ".".join(comps[i]) or display_path("")
         if rec.kind not in ARRAY_KINDS or rec.kind == PRNG_KEY:
-            skipped.append(path)
+            skipped.append(default)
             continue
         name = _renamed(".".join(comps[i]), rename)
         if name is None or name == "":
-            dropped.append(path)
+            dropped.append(default)
             continue
         if not isinstance(name, str) or name == "__metadata__":
             raise CheckpointError(f"leaf {path!r}: rename gave {name!r}, which is not a tensor name")
@@ -206,6 +210,11 @@ def export(path: Any, out: Any, *, shard_size: int = DEFAULT_SHARD_SIZE, rename:
     ``"jax_ckpt"``, each tensor's saved mesh and PartitionSpec, which ``ckpt.restore(mesh=)``
     uses. Files are written under temporary names and renamed into place when complete.
 
+    Only arrays become tensors: numbers, strings and PRNG key arrays (typed keys, which have no
+    safetensors dtype) are skipped and listed in ``ExportResult.skipped``. ``skipped``,
+    ``dropped`` and the keys of ``tensors`` all use tensor-name style (``params.dense.kernel``;
+    ``skipped`` and ``dropped`` hold the default names, before `rename`).
+
     Args:
         path: a committed checkpoint (any location ``ckpt.restore`` reads).
         out: a local directory; created if missing.
@@ -221,12 +230,14 @@ def export(path: Any, out: Any, *, shard_size: int = DEFAULT_SHARD_SIZE, rename:
 
     Returns:
         An ``ExportResult``: the files written, which file holds each tensor, the bytes, and
-        the leaves not exported.
+        the leaves not exported (skipped: not tensors, PRNG keys included; dropped by
+        `rename`), named as tensors are.
 
     Raises:
         FileNotFoundError: nothing exists at `path`.
         FileExistsError: `out` already holds an export and `overwrite` is False.
-        CheckpointError: `path` is not a committed checkpoint, a chunk is missing or damaged
+        CheckpointError: `path` is not a committed checkpoint (a CheckpointManager directory:
+            the message lists its steps and names the latest), a chunk is missing or damaged
             (naming leaf, chunk and file), an array's dtype has no safetensors equivalent
             (int4, float8_e4m3fnuz, complex128...: drop it with `rename`), two leaves get the
             same name, or `out` is not a local directory.
@@ -240,7 +251,7 @@ def export(path: Any, out: Any, *, shard_size: int = DEFAULT_SHARD_SIZE, rename:
     opts = resolve(options)
     directory = _out_dir(out)
     storage = open_storage(path, opts)
-    manifest = read_manifest(storage)
+    manifest = require_manifest(storage)
     entries, skipped, dropped = _entries(manifest, rename)
     groups = _pack(entries, shard_size)
     names = ([SINGLE_NAME] if len(groups) == 1 else

@@ -254,7 +254,9 @@ def test_shape_mismatch_names_leaf_and_both_shapes(location, sharding):
 def test_mesh_missing_axis_or_indivisible_dimension(location, sharding):
     ckpt.save(location("c"), _tree(sharding))
     other = jax.make_mesh((8,), ("data",))
-    with pytest.raises(ckpt.CheckpointError, match=r"leaf 'params/(b|w)'.*mesh axis 'x'.*does not have"):
+    # Every leaf concerned is named (issue 26), with both meshes' axis names.
+    with pytest.raises(ckpt.CheckpointError, match=r"2 leaves use saved mesh axes that the target mesh \('data': 8\) "
+                       r"does not have: 'params/b' \('x'.*'params/w' \('x'.*saved on mesh \('x': 4, 'y': 2\)"):
         ckpt.restore(location("c"), mesh=other)
     three = jax.sharding.Mesh(np.array(jax.devices()[:3]).reshape(3, 1), ("x", "y"))
     with pytest.raises(ckpt.CheckpointError, match=r"leaf 'params/(b|w)': dimension 0 of size (32|64) cannot be split over mesh axis x of size 3"):

@@ -129,8 +129,9 @@ def _check_case(path: str, tree: dict, mesh: Mesh, save_kwargs: dict) -> str:
 
 def test_scalar_with_trailing_none_spec_restores(tmp_path):
     """P(None) on a 0-d array and P('x', None, None) on a 1-d one: the manifest records the spec
-    cut to the rank, and every leaf (the others too) restores."""
-    mesh = jax.make_mesh((8,), ("x",))
+    cut to the rank, and every leaf (the others too) restores. A plain Mesh (Auto axes): jax 0.12
+    refuses a spec longer than the rank on jax.make_mesh's Explicit axes, not on Auto ones."""
+    mesh = Mesh(np.array(jax.devices()), ("x",))
     tree = {
         "scalar": _make("scalar", (), np.float32, NamedSharding(mesh, P(None))),
         "long": _make("long", (16,), np.float32, NamedSharding(mesh, P("x", None, None))),
@@ -384,4 +385,6 @@ def test_property_two_processes(job):
     # Every spec JAX accepts here saves: a refusal is allowed by the property, but none of these
     # needs one, so one would be a regression to look at.
     assert counts["refused"] == 0, reports[0]["refused"]
-    assert counts["saved"] > 800 and counts["not accepted"] > 0, counts
+    # (saved: more than 800 under jax 0.10.2; 695 under 0.12, which refuses specs longer than the
+    # rank on Explicit axes)
+    assert counts["saved"] > 600 and counts["not accepted"] > 0, counts

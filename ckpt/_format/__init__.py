@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ckpt._format import dtypes
 from ckpt._format.checksum import ALGORITHM, chunk_checksum
-from ckpt._format.manifest import find_manifest, read_manifest
+from ckpt._format.manifest import find_manifest, read_manifest, unpack_map_keys
 from ckpt._format.records import (
     ARRAY_KINDS,
     FORMAT_NAME,
@@ -103,5 +103,6 @@ __all__ = [
     "read_manifest",
     "storage_paths",
     "unflatten",
+    "unpack_map_keys",
     "zarr_metadata",
 ]

@@ -17,11 +17,27 @@ from ckpt._format.validate import manifest_from_doc
 MANIFEST_LIMIT_BYTES = 1 << 30
 
 
+def unpack_map_keys(data: bytes) -> object:
+    """msgpack `data` as Python values, maps in their stored order; a map key stored as an
+    array (a tuple key of the user metadata) comes back as a tuple, where msgpack's default
+    would make it an unhashable list and fail. The default decoder runs first: only data that
+    holds such a key pays for the Python hook."""
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except TypeError:  # unhashable type: 'list' (an array as a map key)
+        return msgpack.unpackb(data, raw=False, strict_map_key=False,
+                               object_pairs_hook=lambda pairs: {_hashable(k): v for k, v in pairs})
+
+
+def _hashable(key: object) -> object:
+    return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
+
+
 def decode_manifest(data: bytes, where: str) -> Manifest:
     """The validated manifest in `data` (the bytes of `where`, a manifest file); raises
     CheckpointError naming the file when it is damaged or breaks the format."""
     try:
-        doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        doc = unpack_map_keys(data)
     except Exception as e:  # any malformed input: msgpack raises several kinds
         raise CheckpointError(f"{where}: manifest is corrupted ({type(e).__name__}: {e})") from None
     # Format and version first: a newer version may protect itself differently.

@@ -202,8 +202,34 @@ def match_target(
     wanted = set(target_paths)
     missing = [] if partial else [display_path(p) for p in saved_paths if p not in wanted]
     if unexpected or missing:
-        raise TreeMismatchError(missing, unexpected)
+        error = TreeMismatchError(missing, unexpected)
+        hint = subtree_hint(unexpected, saved_paths)
+        if hint:
+            error.args = (f"{error.args[0]}\n  {hint}",)
+        raise error
     return treedef, [(index[p], leaf) for p, (_, leaf) in zip(target_paths, pairs)]
+
+
+def subtree_hint(unexpected: list[str], saved_paths: Sequence[str]) -> str | None:
+    """Where the key paths a target has and the checkpoint lacks all exist under one saved
+    subtree (the model alone, against a checkpoint of model and optimizer state), which subtree
+    and how to restore it; else None."""
+    if not unexpected or display_path("") in unexpected:
+        return None
+    saved = set(saved_paths)
+    first = unexpected[0]
+    prefixes = dict.fromkeys(p[: -len(first) - 1] for p in saved_paths if p.endswith("/" + first))
+    found = [p for p in prefixes if all(f"{p}/{u}" in saved for u in unexpected)]
+    if not found:
+        return None
+    parts = found[0].split("/")
+    wrapped = "target"
+    for part in reversed(parts):
+        wrapped = f"{{{part!r}: {wrapped}}}"
+    index = "".join(f"[{part!r}]" for part in parts)
+    item = f"; from a CheckpointManager step, manager.restore(step, target, item={parts[0]!r})" if len(parts) == 1 else ""
+    return (f"the target matches the checkpoint's subtree {' or '.join(repr(p) for p in found[:3])}: restore it "
+            f"alone with ckpt.restore(path, {wrapped}, partial=True){index}{item}")
 
 
 _SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-.")

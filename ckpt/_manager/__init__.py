@@ -47,6 +47,7 @@ from ckpt._manager.args import (
     check_best,
     check_count,
     check_interval,
+    check_restore_step,
     snapshot_metadata,
 )
 from ckpt._manager.items import restore_item
@@ -128,7 +129,8 @@ class CheckpointManager:
             time (seconds), judged by the save times stored in the manifests: oldest first, a
             step saved at least this long after the last step kept this way is kept.
         best_fn: ``metrics dict -> number``; with it `max_to_keep` keeps the best steps by the
-            metrics given to ``save(..., metrics=)``, and ``best_step()`` names the best.
+            metrics given to ``save(..., metrics=)``, and ``best_step()`` names the best. Metrics
+            may be nested: ``best_fn=lambda m: m["eval"]["acc"]``.
         best_mode: ``"min"`` (smaller `best_fn` is better, e.g. a loss) or ``"max"``.
         keep_checkpoints_without_metrics: with `best_fn`, also keep steps saved without
             metrics (otherwise they are deleted first).
@@ -356,9 +358,12 @@ class CheckpointManager:
                 step's items (``restore(step, item=...)`` restores one alone).
             force: save even when ``should_save(step)`` is False.
             metadata: a small msgpack-able dict (data-loader position...; at most 1 MiB packed)
-                stored with the step; ``metadata(step)`` returns it (tuples come back as lists).
-            metrics: a dict of numbers or strings (0-d numpy / jax values are converted), stored
-                with the step; ``metrics(step)`` returns it; `best_fn` ranks steps by it.
+                stored with the step; ``metadata(step)`` returns it, its keys in their order
+                (tuples come back as lists, except dict keys that are tuples: those stay tuples).
+            metrics: a dict whose values are any JSON tree: numbers, strings, bools, None, lists
+                and dicts with string keys, nested (``{"eval": {"acc": 0.5}}``; 0-d numpy / jax
+                values are converted, tuples become lists; at most 32 levels deep), stored with
+                the step; ``metrics(step)`` returns it; `best_fn` ranks steps by it.
 
         Returns:
             Whether a save started.
@@ -553,13 +558,15 @@ class CheckpointManager:
 
     def restore(self, step: int | None = None, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
                 partial: bool = False, verify: bool = True, options: Options | None = None,
-                item: str | None = None, allow_lossy_cast: bool = False) -> Any:
+                item: str | None = None, allow_lossy_cast: bool = False,
+                axis_names: dict[str, str] | None = None) -> Any:
         """``ckpt.restore`` of a step (or of one item of it); retention leaves the step alone
         while it is read.
 
         Args:
             step: the step to restore; None: ``latest_step()`` (the newest with a whole
-                manifest).
+                manifest). A target passed here by position is refused with a TypeError that
+                says ``restore(target=...)`` (or ``restore(step, target)``).
             target: as for ``ckpt.restore`` (with `item`: a target for that item).
             mesh: as for ``ckpt.restore``.
             partial: as for ``ckpt.restore``.
@@ -569,26 +576,31 @@ class CheckpointManager:
                 ``<step>/<item>/``), reading only the chunks its arrays need.
             allow_lossy_cast: as for ``ckpt.restore``: cast to a target dtype even where values
                 change beyond rounding.
+            axis_names: as for ``ckpt.restore``: with `mesh`, ``{saved axis name: mesh axis
+                name}`` (e.g. ``{"data": "batch"}``) for a mesh whose axes are named otherwise.
 
         Returns:
             The restored tree (or item), as ``ckpt.restore`` returns it.
 
         Raises:
+            TypeError: `step` is not an integer (a pytree there: pass it as ``target=``).
             FileNotFoundError: no committed checkpoint in the directory, or `step` is not a
                 committed step (the message lists the committed ones).
             KeyError: the step has no item `item` (the message lists its items).
             CheckpointError: as for ``ckpt.restore``.
             TreeMismatchError: as for ``ckpt.restore``.
         """
+        check_restore_step(step)
         opts = self.options if options is None else options
         with self._pinned_step(step) as (location, entry):
             if options is not None:  # opened again with these options (their engine included)
                 location = open_storage(location.url, resolve(options))
             if item is not None:
                 return restore_item(location, item, target, orbax=entry.orbax, mesh=mesh, partial=partial,
-                                    verify=verify, options=opts, allow_lossy_cast=allow_lossy_cast)
+                                    verify=verify, options=opts, allow_lossy_cast=allow_lossy_cast,
+                                    axis_names=axis_names)
             return _restore(location, target, mesh=mesh, partial=partial, verify=verify, options=opts,
-                            allow_lossy_cast=allow_lossy_cast)
+                            allow_lossy_cast=allow_lossy_cast, axis_names=axis_names)
 
     def metadata(self, step: int | None = None) -> dict:
         """The metadata dict saved with a step.

@@ -10,6 +10,7 @@ from typing import Any
 import msgpack
 
 from ckpt._errors import CheckpointError
+from ckpt._format import unpack_map_keys
 from ckpt._manager.retention import BEST_MODES, METRICS_KEY
 
 # Metadata travels inside the manifest, which every restore reads whole.
@@ -34,6 +35,22 @@ def as_step(step: Any) -> int:
     if value < 0:
         raise ValueError(f"step must be >= 0, got {value}")
     return value
+
+
+def check_restore_step(step: Any) -> None:
+    """``restore(step)``'s `step`: None or an integer. The usual slip, a target passed by
+    position (``manager.restore(abstract_state)``, Orbax's ``restore(step, args=...)`` habit
+    reversed), gets the call that was meant."""
+    if step is None or (not isinstance(step, bool) and isinstance(step, int)):
+        return
+    try:
+        operator.index(step)  # a numpy integer, a 0-d integer array
+        return
+    except TypeError:
+        pass
+    raise TypeError(f"step must be an integer or None, got {type(step).__name__}; to restore into a target, "
+                    "pass it by keyword: manager.restore(target=abstract_state) (latest step) or "
+                    "manager.restore(step, target=abstract_state)")
 
 
 def check_interval(value: Any) -> float | None:
@@ -86,4 +103,4 @@ def snapshot_metadata(step: int, metadata: dict | None, metrics: dict | None) ->
             f"metadata for step {step} is {len(packed)} bytes; the limit is {METADATA_LIMIT_BYTES}: "
             "save large values as leaves of the tree instead"
         )
-    return msgpack.unpackb(packed, raw=False, strict_map_key=False)
+    return unpack_map_keys(packed)  # as a reader gets it back: tuple dict keys stay tuples

@@ -15,12 +15,11 @@ from typing import Any
 
 import jax
 import jax.tree_util as jtu
-from jax.sharding import NamedSharding, PartitionSpec
 
 from ckpt._errors import CheckpointError
-from ckpt._format import PRNG_KEY, child_names, join_path, leaf_components, match_target, read_manifest, unflatten
-from ckpt._geometry import ShardingInfo
+from ckpt._format import child_names, join_path, leaf_components, match_target, read_manifest, unflatten
 from ckpt._orbax import kind_of
+from ckpt._restore import check_axis_names, wants_for_mesh
 from ckpt._restore import restore as _restore
 from ckpt.storage import Storage
 
@@ -40,16 +39,18 @@ def item_names(storage: Storage) -> list[str]:
     return child_names(tree) if tree.get("children") else []
 
 
-def _placeholder(rec, mesh: jax.sharding.Mesh | None) -> Any:
-    if mesh is None or rec.kind not in ("jax.Array", PRNG_KEY):
-        return _AS_SAVED
-    info = ShardingInfo.from_record(rec.sharding)
-    spec = () if info is None or info.kind == "single_device" else info.spec
-    return NamedSharding(mesh, PartitionSpec(*spec))  # as restore(mesh=) places it
+def _placeholders(manifest, mine: list[int], mesh: jax.sharding.Mesh | None, allow_lossy_cast: bool,
+                  axis_names: dict[str, str] | None) -> list[Any]:
+    """What each leaf of the item is restored as: with `mesh`, the sharding restore(mesh=) gives
+    it (checked as restore(mesh=) checks it, over the item's leaves); else as saved."""
+    if mesh is None:
+        return [_AS_SAVED] * len(mine)
+    wants = wants_for_mesh([(i, manifest.leaves[i]) for i in mine], mesh, allow_lossy_cast, axis_names)
+    return [w.sharding if w is not None and w.sharding is not None else _AS_SAVED for w in wants]
 
 
 def restore_item(storage: Storage, item: str, target: Any, *, orbax: bool, mesh, partial: bool, verify: bool,
-                 options, allow_lossy_cast: bool = False) -> Any:
+                 options, allow_lossy_cast: bool = False, axis_names: dict[str, str] | None = None) -> Any:
     """Restore item `item` of the step at `storage` alone (module docstring)."""
     if not isinstance(item, str):
         raise TypeError(f"item must be a string, got {type(item).__name__}")
@@ -59,7 +60,7 @@ def restore_item(storage: Storage, item: str, target: Any, *, orbax: bool, mesh,
             raise KeyError(f"{storage.url} has no item {item!r}")
         if kind_of(location) == "item":  # a PyTree item: read alone
             return _restore(location, target, mesh=mesh, partial=partial, verify=verify, options=options,
-                        allow_lossy_cast=allow_lossy_cast)
+                            allow_lossy_cast=allow_lossy_cast, axis_names=axis_names)
         for name in ("metadata", item):  # a JsonSave item (Orbax's own metrics item names its file `metrics`)
             if location.exists(name):
                 try:
@@ -68,9 +69,10 @@ def restore_item(storage: Storage, item: str, target: Any, *, orbax: bool, mesh,
                     raise CheckpointError(f"{location.where(name)}: not a JSON item: {e}") from None
         wanted = None if target is None else {item: target}
         return _restore(storage, wanted, mesh=mesh, partial=target is not None, verify=verify, options=options,
-                        allow_lossy_cast=allow_lossy_cast)[item]
+                        allow_lossy_cast=allow_lossy_cast, axis_names=axis_names)[item]
     if target is not None and mesh is not None:
         raise ValueError("pass either target or mesh, not both")
+    check_axis_names(axis_names, mesh)
     manifest = read_manifest(storage)
     root = manifest.tree
     names = child_names(root) if root.get("children") else []
@@ -87,12 +89,12 @@ def restore_item(storage: Storage, item: str, target: Any, *, orbax: bool, mesh,
                         allow_lossy_cast=allow_lossy_cast)[item]
     if mine:
         wanted: dict = {}
-        for i in mine:
+        for i, placeholder in zip(mine, _placeholders(manifest, mine, mesh, allow_lossy_cast, axis_names)):
             *parents, last = comps[i]
             at = wanted
             for p in parents:
                 at = at.setdefault(p, {})
-            at[last] = _placeholder(manifest.leaves[i], mesh)
+            at[last] = placeholder
         got = _restore(storage, wanted, partial=True, verify=verify, options=options,
                         allow_lossy_cast=allow_lossy_cast)
         paths, treedef = jtu.tree_flatten_with_path(wanted)

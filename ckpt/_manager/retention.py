@@ -37,28 +37,48 @@ class StepFacts:
     created: float | None = None  # save time (seconds since the epoch); None: unknown
 
 
+# Metrics are a JSON tree; nesting deeper than this is refused at save (no eval report needs it,
+# and the manifest's reader stays far from msgpack's own stack limit).
+METRICS_MAX_DEPTH = 32
+
+
 def check_metrics(step: int, metrics: Any) -> dict | None:
-    """A plain copy of `metrics` (str keys; bool, int, float or str values), or a clear error
-    naming the key. 0-d numpy / jax numbers are converted with ``.item()``."""
+    """A plain copy of `metrics`: any JSON tree under a dict (str keys; dicts, lists, str, int,
+    float, bool, None; tuples become lists; 0-d numpy / jax numbers are converted with
+    ``.item()``), or a clear error naming the key path at fault."""
     if metrics is None:
         return None
     if not isinstance(metrics, Mapping):
         raise TypeError(f"metrics for step {step} must be a dict, got {type(metrics).__name__}")
-    out = {}
-    for key, value in metrics.items():
-        if not isinstance(key, str):
-            raise CheckpointError(f"metrics for step {step}: key {key!r} is not a string")
-        if not isinstance(value, (bool, int, float, str)) and getattr(value, "shape", None) == () and hasattr(value, "item"):
-            value = value.item()  # a numpy scalar or a 0-d (jax) array: a Python number now
-        if not isinstance(value, (bool, int, float, str)):
-            raise CheckpointError(
-                f"metrics for step {step}: value of {key!r} ({type(value).__name__}) is not a number or a string; "
-                "metrics hold scalars (use float(x)); store anything else with metadata= or in the tree"
-            )
-        if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
-            raise CheckpointError(f"metrics for step {step}: value of {key!r} does not fit 64 bits")
-        out[key] = value
-    return out
+    return _json_copy(step, metrics, "", 0)
+
+
+def _json_copy(step: int, value: Any, where: str, depth: int) -> Any:
+    at = f"value of {where!r}" if where else "metrics"
+    if depth > METRICS_MAX_DEPTH:
+        raise CheckpointError(f"metrics for step {step}: {at} is nested deeper than {METRICS_MAX_DEPTH} levels")
+    if isinstance(value, Mapping):
+        out = {}
+        for key, v in value.items():
+            if not isinstance(key, str):
+                raise CheckpointError(f"metrics for step {step}: key {key!r}{f' in {where!r}' if where else ''} "
+                                      "is not a string (metrics are a JSON tree)")
+            out[key] = _json_copy(step, v, f"{where}/{key}" if where else key, depth + 1)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_json_copy(step, v, f"{where}/{i}", depth + 1) for i, v in enumerate(value)]
+    if value is not None and not isinstance(value, (bool, int, float, str)) and getattr(value, "shape", None) == () \
+            and hasattr(value, "item"):
+        value = value.item()  # a numpy scalar or a 0-d (jax) array: a Python number now
+    if value is not None and not isinstance(value, (bool, int, float, str)):
+        raise CheckpointError(
+            f"metrics for step {step}: {at} ({type(value).__name__}) is not a number, a string, None, a list or "
+            "a dict; metrics are a JSON tree of scalars (use float(x)); store anything else with metadata= or in "
+            "the tree"
+        )
+    if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
+        raise CheckpointError(f"metrics for step {step}: {at} does not fit 64 bits")
+    return value
 
 
 def score(best_fn: Callable[[dict], Any], metrics: dict, step: int) -> float:

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 from ckpt._orbax.layout import Item, Layout, OrbaxLeaf, read_json, read_layout
-from ckpt._orbax.steps import STEP_METADATA, TMP_MARK, kind_of, scan_orbax_steps, step_of, step_record
+from ckpt._orbax.steps import PYTREE_METADATA, STEP_METADATA, TMP_MARK, kind_of, scan_orbax_steps, step_of, step_record
 
 # What the layers above use from here.
 __all__ = [
     "Item",
     "Layout",
     "OrbaxLeaf",
+    "PYTREE_METADATA",
     "STEP_METADATA",
     "TMP_MARK",
     "kind_of",

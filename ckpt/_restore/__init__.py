@@ -28,12 +28,14 @@ from ckpt._restore.plan import (  # noqa: E402,F401
     _want_from_target,
     array_metadata,
     batch_by_budget,
+    check_axis_names,
     logical_shape,
     plan_leaf_read,
+    wants_for_mesh,
 )
 from ckpt._restore.read import Reader, RestoreStats
 from ckpt._restore.safetensors_source import CODES, INDEX_NAME, META_KEY, SINGLE_NAME  # noqa: E402,F401
-from ckpt._restore.source import foreign_source, open_native
+from ckpt._restore.source import foreign_source, open_native, require_manifest  # noqa: F401 (the door)
 from ckpt.storage import Storage, open_storage
 
 
@@ -78,18 +80,20 @@ def with_budget(options: Options | None, host_budget_bytes: int | str | None) ->
 @gc_paused()
 def restore_with_stats(path, target=None, *, mesh=None, partial=False, verify=True,
                        options: Options | None = None, host_budget_bytes: int | str | None = None,
-                       allow_lossy_cast: bool = False) -> tuple[Any, RestoreStats]:
+                       allow_lossy_cast: bool = False, axis_names: dict[str, str] | None = None
+                       ) -> tuple[Any, RestoreStats]:
     """``restore`` of a jax-ckpt checkpoint, with what the reader did (bytes, requests, budget)."""
     opts = resolve(with_budget(options, host_budget_bytes))
     with open_native(path, opts) as (storage, manifest):
         if manifest is None:
-            manifest = read_manifest(storage)  # raises: says why there is no checkpoint here
+            manifest = require_manifest(storage)  # raises: says why there is no checkpoint here
         return _restore_native(storage, manifest, target, mesh=mesh, partial=partial, verify=verify, options=opts,
-                               allow_lossy_cast=allow_lossy_cast)
+                               allow_lossy_cast=allow_lossy_cast, axis_names=axis_names)
 
 
 def _restore_native(storage: Storage, manifest: Manifest, target=None, *, mesh=None, partial=False, verify=True,
-                    options: Options | None = None, allow_lossy_cast: bool = False) -> tuple[Any, RestoreStats]:
+                    options: Options | None = None, allow_lossy_cast: bool = False,
+                    axis_names: dict[str, str] | None = None) -> tuple[Any, RestoreStats]:
     opts = resolve(options)
     if target is not None and mesh is not None:
         raise ValueError("pass either target or mesh, not both")
@@ -97,8 +101,8 @@ def _restore_native(storage: Storage, manifest: Manifest, target=None, *, mesh=N
     paths = ["/".join(c) for c in leaf_components(manifest.tree)]
     if target is None:
         pairs = [(i, None) for i in range(len(leaves))]
-        wants = [_want_for_mesh(i, leaves[i], mesh, allow_lossy_cast) if mesh is not None
-                 else _want_from_target(i, leaves[i], None) for i in range(len(leaves))]
+        wants = (wants_for_mesh(enumerate(leaves), mesh, allow_lossy_cast, axis_names) if mesh is not None
+                 else [_want_from_target(i, leaves[i], None) for i in range(len(leaves))])
     else:
         treedef, pairs = match_target(target, paths, partial=partial)
         wants = [_want_from_target(i, leaves[i], t, allow_lossy_cast) for i, t in pairs]
@@ -115,7 +119,8 @@ def _restore_native(storage: Storage, manifest: Manifest, target=None, *, mesh=N
 @gc_paused()
 def restore(path, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
             partial: bool = False, verify: bool = True, options: Options | None = None,
-            host_budget_bytes: int | str | None = None, allow_lossy_cast: bool = False) -> Any:
+            host_budget_bytes: int | str | None = None, allow_lossy_cast: bool = False,
+            axis_names: dict[str, str] | None = None) -> Any:
     """Restore the checkpoint at `path`, under any sharding or mesh.
 
     Only the chunks that overlap the regions this process's devices need are read, and each is
@@ -147,7 +152,13 @@ def restore(path, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
             `allow_lossy_cast`. The result has the target's structure and node types.
         mesh: instead of a target, every ``jax.Array`` comes back on this mesh with the
             PartitionSpec it was saved with, matched by axis name (safetensors tensors that
-            ``ckpt export`` recorded no sharding for are replicated).
+            ``ckpt export`` recorded no sharding for are replicated). A dimension the mesh's
+            axes do not divide, or a saved axis the mesh lacks, is refused before anything is
+            read (the second naming every leaf concerned and both meshes' axis names).
+        axis_names: with `mesh`, rename the saved mesh axes: ``{saved name: mesh axis name}``,
+            e.g. ``{"data": "batch"}`` when the checkpoint was saved on axes ``("data",
+            "model")`` and `mesh` has ``("batch", "model")``; saved axes not named keep their
+            name. The sizes need not match: only the mesh's axes must divide each dimension.
         partial: let `target` be any subset of the saved tree.
         verify: check every chunk read against its CRC-32C.
         options: engine, concurrency and memory settings (``ckpt.Options``).
@@ -182,26 +193,33 @@ def restore(path, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
             `mesh`, a cast would change values (see `allow_lossy_cast`), or a target asks for
             a layout that cannot be restored into (``Layout.AUTO``, a ``Format`` without a
             sharding, a layout that is not a permutation of the dimensions, a custom layout
-            for a PRNG key array); the message names the leaf, chunk and file at fault.
+            for a PRNG key array), or a target sharding cannot divide a dimension (checked
+            before anything is read); the message names the leaf, chunk and file at fault.
+            `path` being a CheckpointManager directory is refused with its steps listed and
+            the latest named.
         ChecksumError: a chunk's bytes do not match its saved checksum.
         TreeMismatchError: the target's key paths differ from the saved ones (``.missing``,
-            ``.unexpected``).
-        ValueError: both `target` and `mesh` were given, or an option is invalid.
-        TypeError: `options` is not a ``ckpt.Options``.
+            ``.unexpected``); where they are those of a saved subtree (the model alone), the
+            message names the subtree and how to restore it.
+        ValueError: both `target` and `mesh` were given, `axis_names` is given without `mesh`
+            or names an axis the mesh lacks (or one mesh axis twice), or an option is invalid.
+        TypeError: `options` is not a ``ckpt.Options``, or `axis_names` is not a dict of
+            strings.
         OSError: the storage failed (``PermissionError``, ``EIO``...), naming the object.
     """
     options = with_budget(options, host_budget_bytes)
     opts = resolve(options)
+    check_axis_names(axis_names, mesh)
     with open_native(path, opts) as (storage, manifest):
         if manifest is not None:
             return _restore_native(storage, manifest, target, mesh=mesh, partial=partial, verify=verify, options=opts,
-                                   allow_lossy_cast=allow_lossy_cast)[0]
+                                   allow_lossy_cast=allow_lossy_cast, axis_names=axis_names)[0]
     source = foreign_source(path, options, opts)
     if source is not None:
         return source.restore(path, target, mesh=mesh, partial=partial, options=options,
-                              allow_lossy_cast=allow_lossy_cast)
+                              allow_lossy_cast=allow_lossy_cast, axis_names=axis_names)
     return restore_with_stats(path, target, mesh=mesh, partial=partial, verify=verify, options=opts,
-                              allow_lossy_cast=allow_lossy_cast)[0]
+                              allow_lossy_cast=allow_lossy_cast, axis_names=axis_names)[0]
 
 
 @gc_paused()
@@ -219,8 +237,9 @@ def metadata(path, *, options: Options | None = None) -> Any:
 
     Raises:
         FileNotFoundError: nothing exists at `path`.
-        CheckpointError: `path` is not a committed checkpoint, or its manifest is damaged or
-            of a newer format version.
+        CheckpointError: `path` is not a committed checkpoint (a CheckpointManager
+            directory: the message lists its steps and names the latest), or its manifest is
+            damaged or of a newer format version.
         OSError: the storage failed, naming the object.
     """
     opts = resolve(options)

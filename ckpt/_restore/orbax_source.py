@@ -35,13 +35,13 @@ from ckpt._restore.plan import (
     _key_data_sharding,
     _key_trailing,
     _Want,
-    _want_for_mesh,
     _want_from_target,
     array_metadata,
     batch_by_budget,
     cast_values,
     held_note,
     logical_shape,
+    wants_for_mesh,
 )
 from ckpt.storage import location_text, open_storage
 
@@ -287,7 +287,8 @@ def open_layout(path: Any, options: Options) -> Layout:
 
 
 def restore(path: Any, target: Any = None, *, mesh: jax.sharding.Mesh | None = None, partial: bool = False,
-            options: Options | None = None, allow_lossy_cast: bool = False) -> Any:
+            options: Options | None = None, allow_lossy_cast: bool = False,
+            axis_names: dict[str, str] | None = None) -> Any:
     """``ckpt.restore`` of an Orbax checkpoint (see there; `verify` does not apply)."""
     if target is not None and mesh is not None:
         raise ValueError("pass either target or mesh, not both")
@@ -301,8 +302,8 @@ def restore(path: Any, target: Any = None, *, mesh: jax.sharding.Mesh | None = N
         treedef, pairs = match_target(target, [r.path for r in recs], partial=partial)
     arrays.open([i for i, _ in pairs])
     if target is None:
-        wants = [_want_for_mesh(i, recs[i], mesh, allow_lossy_cast) if mesh is not None
-                 else _want_from_target(i, recs[i], None) for i, _ in pairs]
+        wants = (wants_for_mesh([(i, recs[i]) for i, _ in pairs], mesh, allow_lossy_cast, axis_names)
+                 if mesh is not None else [_want_from_target(i, recs[i], None) for i, _ in pairs])
     else:
         wants = [_want_from_target(i, recs[i], t, allow_lossy_cast) for i, t in pairs]
     built = _build(arrays, [w for w in wants if w is not None])

@@ -460,10 +460,11 @@ def _boxes(want, rec: LeafRecord) -> list[Box]:
 
 
 def restore_with_stats(location: Any, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
-                       partial: bool = False, options: Options | None = None, allow_lossy_cast: bool = False):
+                       partial: bool = False, options: Options | None = None, allow_lossy_cast: bool = False,
+                       axis_names: dict[str, str] | None = None):
     """``ckpt.restore`` of safetensors (see ``restore``); also returns the RestoreStats and the
     RangeReader's byte count."""
-    from ckpt._restore.plan import _want_for_mesh, _want_from_target
+    from ckpt._restore.plan import _want_from_target, wants_for_mesh
     from ckpt._restore.read import Reader, RestoreStats
 
     if target is not None and mesh is not None:
@@ -476,8 +477,8 @@ def restore_with_stats(location: Any, target: Any = None, *, mesh: jax.sharding.
         paths = ["/".join(c) for c in leaf_components(tree)]
         if target is None:
             pairs = [(i, None) for i in range(len(leaves))]
-            wants = [_want_for_mesh(i, r, mesh, allow_lossy_cast) if mesh is not None
-                     else _want_from_target(i, r, None) for i, r in enumerate(leaves)]
+            wants = (wants_for_mesh(enumerate(leaves), mesh, allow_lossy_cast, axis_names) if mesh is not None
+                     else [_want_from_target(i, r, None) for i, r in enumerate(leaves)])
         else:
             treedef, pairs = match_target(target, paths, partial=partial)
             wants = [_want_from_target(i, leaves[i], t, allow_lossy_cast) for i, t in pairs]
@@ -499,12 +500,13 @@ def restore_with_stats(location: Any, target: Any = None, *, mesh: jax.sharding.
 
 
 def restore(location: Any, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
-            partial: bool = False, options: Options | None = None, allow_lossy_cast: bool = False) -> Any:
+            partial: bool = False, options: Options | None = None, allow_lossy_cast: bool = False,
+            axis_names: dict[str, str] | None = None) -> Any:
     """Tensors named 'a.b.c' come back as the tree {'a': {'b': {'c': ...}}}; a target's key
     paths match those names. With `mesh`, tensors ``ckpt export`` recorded a sharding for take
     its PartitionSpec; others are replicated over the mesh."""
     return restore_with_stats(location, target, mesh=mesh, partial=partial, options=options,
-                              allow_lossy_cast=allow_lossy_cast)[0]
+                              allow_lossy_cast=allow_lossy_cast, axis_names=axis_names)[0]
 
 
 def metadata(location: Any, options: Options | None = None) -> Any:

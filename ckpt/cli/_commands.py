@@ -6,8 +6,10 @@ import argparse
 import dataclasses
 import json
 import os
+import time
 
 from ckpt._options import Options
+from ckpt.cli._foreign import refuse_foreign
 from ckpt.cli._style import console, progress_bar
 
 
@@ -31,12 +33,12 @@ def add_verify_arguments(c: argparse.ArgumentParser) -> None:
 
 
 def _verify_text(report, root: str) -> str:
-    from ckpt.cli._render import human_bytes
+    from ckpt.cli._render import human_bytes, plural
 
     rate = report.bytes / report.seconds if report.seconds > 0 else 0.0
     lines = [f"verified {root}",
-             f"read {report.chunks} chunks of {report.arrays} arrays ({human_bytes(report.bytes)}) and checked "
-             f"{report.inline_arrays} inline arrays in {report.seconds:.2f} s ({human_bytes(rate)}/s)"]
+             f"read {plural(report.chunks, 'chunk')} of {plural(report.arrays, 'array')} ({human_bytes(report.bytes)}) "
+             f"and checked {plural(report.inline_arrays, 'inline array')} in {report.seconds:.2f} s ({human_bytes(rate)}/s)"]
     lines += [f"BAD {p}" for p in report.problems]
     lines.append("result: intact, every chunk matches its checksum" if report.intact else f"result: {_damage(report)}")
     return "\n".join(lines)
@@ -51,7 +53,7 @@ def _damage(report) -> str:
 
 def cmd_verify(args, options: Options, open_checkpoint) -> int:
     from ckpt.cli._locate import list_steps
-    from ckpt.cli._render import human_bytes
+    from ckpt.cli._render import human_bytes, plural
     from ckpt.cli._verify import verify_checkpoints, verify_document
     from ckpt.cli._views import colour_lines
 
@@ -63,15 +65,19 @@ def cmd_verify(args, options: Options, open_checkpoint) -> int:
         where = location_text(args.path)
         rows = list_steps(args.path, options)
         targets = [(r.step, open_checkpoint(r.path, None)) for r in rows if r.state == "committed"]
-        skipped = [r for r in rows if r.state != "committed"]
+        skipped = [dataclasses.replace(r, problem="Orbax stores no checksums") if r.state == "orbax" else r
+                   for r in rows if r.state != "committed"]
     else:
         targets, skipped = [(None, open_checkpoint(args.path, args.step))], []
+        refuse_foreign(targets[0][1], "verify")
     bar = progress_bar(not args.no_progress, "verify")
+    start = time.perf_counter()
     try:
         reports = verify_checkpoints([(o.storage, o.manifest) for _, o in targets], bar)
     finally:
         if bar is not None:
             bar.close()
+    seconds = time.perf_counter() - start
     corrupt = [r for r in skipped if r.state == "corrupt"]
     intact = all(r.intact for r in reports) and not corrupt
     if not args.all:
@@ -80,18 +86,18 @@ def cmd_verify(args, options: Options, open_checkpoint) -> int:
                as_json=args.json, rich=colour_lines)
         return 0 if intact else 1
     if args.json:
-        _print({"path": where, "intact": intact,
+        _print({"path": where, "intact": intact, "seconds": seconds,
                 "steps": [{"step": step, **verify_document(r, o.root)} for (step, o), r in zip(targets, reports)],
                 "not_verified": [{"step": r.step, "path": r.path, "state": r.state, "problem": r.problem}
                                  for r in skipped]}, as_json=True)
         return 0 if intact else 1
-    seconds = max([r.seconds for r in reports] + [0.0])
     total = sum(r.bytes for r in reports)
-    lines = [f"verified {len(targets)} committed step(s) of {where}: {sum(r.chunks for r in reports)} chunks "
-             f"({human_bytes(total)}) in {seconds:.2f} s"]
+    lines = [f"verified {len(targets)} committed step(s) of {where}: "
+             f"{plural(sum(r.chunks for r in reports), 'chunk')} ({human_bytes(total)}) in {seconds:.2f} s"]
     for (step, o), r in zip(targets, reports):
         state = "intact" if r.intact else _damage(r)
-        lines.append(f"step {step}: {r.chunks} chunks of {r.arrays} arrays, {r.inline_arrays} inline: {state}")
+        lines.append(f"step {step}: {plural(r.chunks, 'chunk')} of {plural(r.arrays, 'array')}, "
+                     f"{r.inline_arrays} inline: {state}")
         lines += [f"BAD {p}" for p in r.problems]
     for r in skipped:
         lines.append(f"step {r.step}: not verified, {r.state}" + (f" ({r.problem})" if r.problem else "")
@@ -126,6 +132,8 @@ def add_du_arguments(c: argparse.ArgumentParser, step_type, step_help: str) -> N
 
 def cmd_du(args, opened) -> int:
     from ckpt.cli._du import du_document, render_du, rich_du, usage
+
+    refuse_foreign(opened, "du")
 
     doc = du_document(usage(opened.manifest, args.depth), opened.root, args.depth)
     _print(doc if args.json else render_du(doc), as_json=args.json, rich=lambda _: rich_du(doc))
@@ -163,6 +171,7 @@ def cmd_export(args, open_checkpoint, options: Options) -> int:
     if args.host_budget is not None:
         options = dataclasses.replace(options, host_budget_bytes=args.host_budget)
     opened = open_checkpoint()
+    refuse_foreign(opened, "export")
     bar = progress_bar(not args.no_progress, "export")
     try:
         result = export(opened.root, args.out, shard_size=shard_size, rename=rename, overwrite=args.overwrite,

@@ -32,7 +32,7 @@ def add_convert_command(command, step_type) -> None:
 def cmd_convert(args) -> int:
     from ckpt._convert import convert
     from ckpt.cli._orbax import orbax_source
-    from ckpt.cli._render import human_bytes
+    from ckpt.cli._render import human_bytes, plural
 
     options = Options(engine=args.engine).resolved()
     src, what, note = orbax_source(args.src, args.step, options)
@@ -48,5 +48,5 @@ def cmd_convert(args) -> int:
 
     arrays = [m for m in jax.tree.leaves(meta) if hasattr(m, "nbytes")]
     print(f"converted {what} {src.url}")
-    print(f"wrote {args.dest}: {len(arrays)} arrays, {human_bytes(sum(m.nbytes for m in arrays))} in {seconds:.2f} s")
+    print(f"wrote {args.dest}: {plural(len(arrays), 'array')}, {human_bytes(sum(m.nbytes for m in arrays))} in {seconds:.2f} s")
     return 0

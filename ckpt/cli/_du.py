@@ -24,6 +24,7 @@ class Subtree:
 def usage(manifest: Manifest, depth: int = 1) -> list[Subtree]:
     """Bytes per subtree of the first `depth` key-path components, largest first."""
     groups: dict[str, Subtree] = {}
+    stack_chunks: dict[str, set[tuple[int, int]]] = {}  # subtree -> (stack, chunk) its stacked leaves lie in
     for comps, rec in zip(leaf_components(manifest.tree), manifest.leaves):
         key = display_path("/".join(comps[:depth]))
         g = groups.setdefault(key, Subtree(key))
@@ -36,6 +37,10 @@ def usage(manifest: Manifest, depth: int = 1) -> list[Subtree]:
         st = rec.zarr
         if rec.stacked is not None:  # its slice of a stack's chunk files
             g.stored_bytes += rec.stacked.array.member_bytes
+            # Several small leaves share one chunk of their stack: the subtree's chunks are the
+            # distinct stack chunks its leaves lie in.
+            per_chunk = rec.stacked.array.zarr.chunk_shape[0]
+            stack_chunks.setdefault(key, set()).add((rec.stacked.stack, rec.stacked.index // per_chunk))
             continue
         if st is None:
             g.inline_bytes += len(rec.storage.data)
@@ -44,6 +49,8 @@ def usage(manifest: Manifest, depth: int = 1) -> list[Subtree]:
         n = math.prod(chunk_grid(rec.shape, st.chunk_shape))
         g.chunks += n
         g.stored_bytes += n * math.prod(st.chunk_shape) * _dtypes.dtype_from_name(st.data_type).itemsize
+    for key, chunks in stack_chunks.items():
+        groups[key].chunks += len(chunks)
     return sorted(groups.values(), key=lambda g: (-g.stored_bytes, g.path))
 
 

@@ -70,10 +70,10 @@ def export_document(result: ExportResult, out: str, source: str) -> dict:
 
 
 def render_export(doc: dict) -> str:
-    from ckpt.cli._render import human_bytes
+    from ckpt.cli._render import human_bytes, plural
 
     files = doc["files"]
-    lines = [f"exported {len(doc['tensors'])} tensors ({human_bytes(doc['bytes'])}) of {doc['source']}",
+    lines = [f"exported {plural(len(doc['tensors']), 'tensor')} ({human_bytes(doc['bytes'])}) of {doc['source']}",
              f"to {doc['out']} in {len(files)} file(s):"]
     lines += [f"  {f}" for f in files]
     if doc["skipped"]:

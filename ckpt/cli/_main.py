@@ -11,82 +11,20 @@ manifest, a chunk that cannot be read), reported as one line on stderr, never a 
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import os
-import re
-import shutil
 import sys
-import textwrap
 from typing import Sequence
 
 from ckpt._errors import CheckpointError
 from ckpt._options import Options
+from ckpt.cli._parsing import _HelpFormatter, _Parser, _UsageError, _in_flags, _size, _step, _tolerance
 from ckpt.storage import ENGINES
 
 COMMANDS = ("ls", "inspect", "verify", "diff", "plan", "bench")
 COMMANDS += ("convert",)
 COMMANDS += ("du", "export")
 COMMANDS += ("clean",)
-
-
-class _UsageError(Exception):
-    """A bad argument value: reported like any other error, in one line."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, with its errors (usage text plus message) turned into the one-line error every
-    other failure gets, so that scripts can rely on one line and exit status 2."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise _UsageError(f"{_did_you_mean(message)} (see '{self.prog} --help')")
-
-
-def _did_you_mean(message: str) -> str:
-    """argparse's "invalid choice: 'verfy' (choose from ...)" with the closest choice offered."""
-    m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
-    if m is None:
-        return message
-    close = difflib.get_close_matches(m.group(1), re.findall(r"'([^']*)'", m.group(2)), n=1, cutoff=0.6)
-    return f"{message}; did you mean {close[0]!r}?" if close else message
-
-
-class _HelpFormatter(argparse.HelpFormatter):
-    """Help wrapped to the terminal (at most 100 columns), paragraph by paragraph; a paragraph
-    that starts with 'example' or holds indented lines is kept as written."""
-
-    def __init__(self, prog: str):
-        width = max(40, min(shutil.get_terminal_size((100, 24)).columns, 100))
-        super().__init__(prog, width=width, max_help_position=28)
-
-    def _fill_text(self, text: str, width: int, indent: str) -> str:
-        out = []
-        for para in text.split("\n\n"):
-            if para.startswith("example") or "\n " in para:
-                out.append(textwrap.indent(para, indent))
-            else:
-                out.append(textwrap.fill(" ".join(para.split()), width, initial_indent=indent, subsequent_indent=indent))
-        return "\n\n".join(out)
-
-
-def _step(text: str) -> int:
-    try:
-        step = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad step {text!r} (a whole number >= 0)") from None
-    if step < 0:
-        raise argparse.ArgumentTypeError(f"bad step {text!r}: steps are >= 0")
-    return step
-
-
-def _size(text: str) -> int:
-    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    unit = t[-1:] if t[-1:] in units else ""
-    number = t[: len(t) - len(unit)]
-    if not number.isdigit() or int(number) < 1:
-        raise argparse.ArgumentTypeError(f"bad size {text!r} (e.g. 65536, 64k, 64MiB)")
-    return int(number) * units[unit]
 
 
 def _print_json(doc) -> None:
@@ -99,7 +37,10 @@ def _note(opened) -> None:
 
 
 def _options(args) -> Options:
-    return Options(engine=args.engine).resolved()
+    from ckpt.cli._opened import cli_options
+
+    locations = [getattr(args, name, None) for name in ("path", "a", "b", "src", "dest")]
+    return cli_options(getattr(args, "engine", None), [loc for loc in locations if loc])
 
 
 def _open(args, location: str, step: int | None = None):
@@ -127,19 +68,16 @@ def _cmd_ls(args) -> int:
 
 
 def _cmd_inspect(args) -> int:
-    from ckpt.cli._orbax import inspect_orbax
-    from ckpt.cli._render import inspect_document, render_inspect
+    from ckpt.cli._render import inspect_document, json_safe, render_inspect
 
-    if (status := inspect_orbax(args.path, args.step, _options(args), args.json)) is not None:
-        return status
     opened = _open(args, args.path, args.step)
     doc = inspect_document(opened)
     if args.json:
-        _print_json(doc)
+        _print_json(json_safe(doc))
     elif (con := _terminal()) is not None:
         from ckpt.cli._views import rich_inspect
 
-        con.print(rich_inspect(doc, opened.manifest))
+        con.print(rich_inspect(doc, opened.manifest, con.width))
     else:
         print(render_inspect(doc, opened.manifest))
     return 0
@@ -176,7 +114,7 @@ def _cmd_diff(args) -> int:
     from ckpt.cli._diff import diff_checkpoints, diff_document, render_diff
 
     a, b = _open(args, args.a), _open(args, args.b)
-    report = diff_checkpoints(a, b, args.block_bytes, _options(args))
+    report = diff_checkpoints(a, b, args.block_bytes, _options(args), atol=args.atol, rtol=args.rtol)
     if args.json:
         _print_json(diff_document(report))
     elif (con := _terminal()) is not None:
@@ -196,18 +134,26 @@ def _cmd_plan(args) -> int:
     except ValueError as e:
         raise _UsageError(str(e)) from None
     opened = _open(args, args.path, args.step)
+    from ckpt.cli._foreign import refuse_foreign
+
+    if opened.format != "orbax":  # an Orbax step is planned from its layout as restore reads it
+        refuse_foreign(opened, "plan")
     try:
         run = dry_run_restore(opened.manifest, names, sizes, args.processes)
     except ValueError as e:
         raise _UsageError(str(e)) from None
+    orbax_note = ("an Orbax checkpoint: READ counts its chunks as decoded (Orbax may compress them on disk)"
+                  if opened.format == "orbax" else None)
     if args.json:
-        _print_json(dry_run_document(run, opened.root))
+        _print_json({**dry_run_document(run, opened.root), "format": "orbax-checkpoint" if orbax_note else "jax-ckpt"})
     elif (con := _terminal()) is not None:
         from ckpt.cli._views import rich_plan
 
         con.print(rich_plan(dry_run_document(run, opened.root), args.per_leaf))
+        if orbax_note:
+            con.print(orbax_note, style="dim")
     else:
-        print(render_dry_run(run, opened.root, args.per_leaf))
+        print(render_dry_run(run, opened.root, args.per_leaf) + (f"\n{orbax_note}" if orbax_note else ""))
     return 1 if run.unplaceable else 0
 
 
@@ -246,9 +192,11 @@ def _parser() -> argparse.ArgumentParser:
         return c
 
     where = "a local path or URL: file://, memory://, s3://, gs://, any fsspec URL"
-    step_help = "in a manager directory, use this step (default: the latest committed step)"
+    step_help = "in a manager directory, use this step (default: the latest committed step, jax-ckpt's or Orbax's)"
     c = command("ls", "list the steps of a manager directory (or one checkpoint)",
-                "List every step directory of a manager directory: step, committed or not, size, number of "
+                "List every step directory of a manager directory (jax-ckpt's under any step naming: step_<n>, "
+                "<n> with step_prefix=None, <prefix>_<n>; and Orbax's beside them, state 'orbax'): step, "
+                "committed or not, size, number of "
                 "files and the time it was written (the manifest's 'created'; for an uncommitted step, the "
                 "newest file's modification time). Given one checkpoint, list just that. On storage that "
                 "cannot report sizes cheaply (object stores, fsspec), a committed step's size is that of its "
@@ -262,7 +210,9 @@ def _parser() -> argparse.ArgumentParser:
                 "Show the saved tree from the manifest alone (no array data is read): for each array its "
                 "dtype, shape, the mesh and PartitionSpec it was saved with, the Zarr chunk shape and number "
                 "of chunks, its bytes and where it is stored; small values (numbers, strings) as they are; "
-                "then the totals.")
+                "then the totals. Also reads what ckpt.metadata reads: Orbax checkpoints and safetensors (a "
+                "file, a model.safetensors.index.json, a directory of them). On a terminal the table is fitted "
+                "to its width; nothing is cut without a mark (an ellipsis, or a note naming the columns left out).")
     c.add_argument("path", metavar="PATH", help=f"checkpoint or manager directory ({where})")
     c.add_argument("--step", type=_step, metavar="N", help=step_help)
     c.add_argument("--json", action="store_true", help="print the same as one JSON document")
@@ -321,12 +271,20 @@ def _parser() -> argparse.ArgumentParser:
                 "the number of differing elements and the largest absolute difference; NaN equals NaN). "
                 "Arrays are streamed block by block, so memory stays bounded, and read as restore reads them: "
                 "every chunk is checked against its CRC-32C, and a missing, short or corrupted chunk is an "
-                "error naming leaf, chunk and file. Exit status 0 when identical, 1 when anything differs.")
+                "error naming leaf, chunk and file. With --atol/--rtol, arrays whose elements are all within "
+                "atol + rtol * |B| count as equal (numpy.isclose). Metrics and user metadata that differ are "
+                "listed too. A and B may also be Orbax checkpoints or safetensors (a file, an index, a "
+                "directory), read as ckpt.restore reads them (a safetensors tensor whole). Exit status 0 "
+                "when identical, 1 when anything differs.")
     c.add_argument("a", metavar="A", help=f"first checkpoint (or manager directory: latest step; {where})")
     c.add_argument("b", metavar="B", help="second checkpoint (or manager directory: latest step)")
     c.add_argument("--json", action="store_true", help="print one JSON document")
     c.add_argument("--block-bytes", type=_size, default=64 << 20, metavar="SIZE",
                    help="largest block compared at once, per checkpoint (default 64MiB)")
+    c.add_argument("--atol", type=_tolerance, default=0.0, metavar="X",
+                   help="absolute tolerance: elements within atol + rtol * |B| are equal (default 0: exactly)")
+    c.add_argument("--rtol", type=_tolerance, default=0.0, metavar="X",
+                   help="relative tolerance, of B's value, as numpy.isclose (default 0)")
     c.set_defaults(run=_cmd_diff)
 
     c = command("plan", "dry-run a restore onto a mesh that need not exist here",
@@ -376,17 +334,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = argv[0] if argv else None
     try:
         parser = _parser()
+        parser.argv = argv  # type: ignore[attr-defined]  # for the suggestions of _did_you_mean
         args = parser.parse_args(argv)
         if args.command is None:
             parser.print_help(sys.stderr)
             return 2
-        return args.run(args)
+        if args.command == "bench":
+            return args.run(args)
+        from ckpt.cli._opened import quiet_native_logs
+
+        with quiet_native_logs():
+            return args.run(args)
     except (CheckpointError, OSError, _UsageError, ValueError, TypeError) as e:
         # ValueError / TypeError: bad input found past argument parsing (e.g. an engine option
         # the storage refuses); still the user's to fix, so one line rather than a traceback.
         if isinstance(e, BrokenPipeError):
             return _broken_pipe()
-        print(f"{_label(command)}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"{_label(command)}: error: {_in_flags(_one_line(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{_label(command)}: interrupted", file=sys.stderr)

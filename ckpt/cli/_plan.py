@@ -125,7 +125,7 @@ def dry_run_restore(manifest: Manifest, names: tuple[str, ...], sizes: tuple[int
                 stack_chunks_read.add((p, rec.stacked.stack, chunk))
                 rows = min(per_chunk, stack.shape[0] - chunk * per_chunk)
                 run.per_process[p].add(rows * stack.member_bytes if first else 0, plan.bytes_needed, int(first), 0)
-                leaf.add(stack.member_bytes, plan.bytes_needed, 0, 0)
+                leaf.add(stack.member_bytes, plan.bytes_needed, 1, 0)  # its data lies in one stack chunk
                 continue
             # As restore counts: inline data is needed but never read from storage.
             read, chunks, inline = (plan.bytes_read, len(plan.chunks), 0) if zarr else (0, 0, plan.bytes_needed)
@@ -161,13 +161,14 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 
 def render_dry_run(run: DryRun, path: str, per_leaf: bool) -> str:
-    from ckpt.cli._render import human_bytes
+    from ckpt.cli._render import human_bytes, plural
 
     devices = math.prod(run.axis_sizes)
     mesh = ",".join(f"{a}={n}" for a, n in zip(run.axis_names, run.axis_sizes))
     out = [
         f"restore of {path}",
-        f"onto mesh {mesh} ({devices} devices) in {run.processes} process(es) of {devices // run.processes} devices",
+        f"onto mesh {mesh} ({plural(devices, 'device')}) in {run.processes} process(es) of "
+        f"{plural(devices // run.processes, 'device')}",
         "",
     ]
 

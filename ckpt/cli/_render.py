@@ -7,6 +7,7 @@ import datetime
 import math
 from typing import Any
 
+from ckpt._format import dtypes as _dtypes
 from ckpt._format import ARRAY_KINDS, CUSTOM, FORMAT_NAME, LEAF, LeafRecord, Manifest, child_names, display_path
 from ckpt._geometry import ShardingInfo, chunk_grid
 from ckpt._manager import METRICS_KEY
@@ -105,20 +106,40 @@ def _without_metrics(user_metadata: Any) -> Any:
     return rest or None
 
 
+def _foreign_leaf(rec: LeafRecord, file: str) -> dict:
+    """A safetensors tensor as `inspect --json` prints it (its file instead of a Zarr array)."""
+    info = ShardingInfo.from_record(rec.sharding)
+    named = info is not None and info.kind == "named"
+    return {
+        "path": rec.path, "kind": rec.kind, "shape": list(rec.shape), "dtype": rec.dtype, "storage": "safetensors",
+        "storage_path": file, "chunk_shape": None, "chunks": 0,
+        "nbytes": math.prod(rec.shape) * _dtypes.dtype_from_name(rec.dtype).itemsize,
+        "sharding": info.kind if info else None,
+        "mesh": {"axis_names": list(info.axis_names), "axis_sizes": list(info.axis_sizes)} if named else None,
+        "partition_spec": [e if e is None or isinstance(e, str) else list(e) for e in info.spec] if named else None,
+    }
+
+
+FORMAT_NAMES = {"orbax": "orbax-checkpoint", "safetensors": "safetensors"}
+
+
 def inspect_document(opened: Opened) -> dict:
     """What `inspect --json` prints: the manifest, one plain JSON document (no data is read)."""
     m = opened.manifest
-    leaves = [leaf_info(r) for r in m.leaves]
+    if opened.format == "safetensors":
+        leaves = [_foreign_leaf(r, f) for r, f in zip(m.leaves, opened.source["files"])]
+    else:
+        leaves = [leaf_info(r) for r in m.leaves]
     arrays = [l for l in leaves if "nbytes" in l]
     zarr = [l for l in arrays if l["storage"] == "zarr"]
     stacked = [l for l in arrays if l["storage"] == "stacked"]
     stack_chunks = sum(math.prod(chunk_grid(s.shape, s.zarr.chunk_shape)) for s in m.stacks)
-    return {
+    doc = {
         "path": opened.root,
-        "format": FORMAT_NAME,
-        "format_version": m.format_version,
-        "library_version": m.library_version,
-        "created": m.created,
+        "format": FORMAT_NAMES.get(opened.format, FORMAT_NAME),
+        "format_version": m.format_version if opened.format == "jax-ckpt" else None,
+        "library_version": m.library_version if opened.format == "jax-ckpt" else None,
+        "created": m.created if opened.format == "jax-ckpt" else opened.created,
         # A CheckpointManager step keeps its metrics in the user metadata (ckpt._retention).
         "user_metadata": json_safe(_without_metrics(m.user_metadata)),
         "metrics": json_safe(_metrics_of(m.user_metadata)),
@@ -129,13 +150,20 @@ def inspect_document(opened: Opened) -> dict:
             "zarr_arrays": len(zarr),
             "stacked_arrays": len(stacked),
             "stacks": len(m.stacks),
-            "inline_arrays": len(arrays) - len(zarr) - len(stacked),
+            "inline_arrays": len([l for l in arrays if l["storage"] == "inline"]),
             "chunks": sum(l["chunks"] for l in zarr) + stack_chunks,
             "bytes": sum(l["nbytes"] for l in arrays),
             "zarr_bytes": sum(l["nbytes"] for l in zarr + stacked),
             "inline_bytes": sum(l["nbytes"] for l in arrays if l["storage"] == "inline"),
         },
     }
+    if opened.format == "orbax":
+        layout = opened.source[0]
+        doc["orbax"] = {"what": opened.what, "items": [{"name": i.name, "kind": i.kind, "layout": i.layout}
+                                                       for i in layout.items]}
+    elif opened.format == "safetensors":
+        doc["totals"]["safetensors_files"] = len(set(opened.source["files"]))
+    return doc
 
 
 def _tree_lines(tree: dict) -> list[tuple[int, str, int | None]]:
@@ -170,6 +198,18 @@ def _value_text(v: Any) -> str:
 
 
 INSPECT_HEADER = ["NAME", "DTYPE", "SHAPE", "MESH", "SPEC", "CHUNK", "CHUNKS", "BYTES", "STORAGE"]
+_RIGHT = {6, 7}  # CHUNKS and BYTES, right-aligned
+# Columns left out, in this order, when the table is wider than the terminal (each named in a
+# note under the table); NAME, DTYPE, SHAPE, SPEC and BYTES are always shown.
+_DROP_ORDER = ["CHUNK", "STORAGE", "CHUNKS", "MESH"]
+LONG_MESH = 32  # a mesh text longer than this is named once above the table (m1, m2...)
+ELLIPSIS = "…"
+
+
+def _mesh_text(mesh: dict | None) -> str:
+    if mesh is None:
+        return "-"
+    return ",".join(f"{a}={n}" for a, n in zip(mesh["axis_names"], mesh["axis_sizes"])) or "single device"
 
 
 def inspect_rows(doc: dict, manifest: Manifest) -> list[list[str] | str]:
@@ -185,28 +225,29 @@ def inspect_rows(doc: dict, manifest: Manifest) -> list[list[str] | str]:
         if "nbytes" not in leaf:
             rows.append([name, leaf["kind"], "= " + _value_text(manifest.leaves[index].py_value())])
             continue
-        mesh = leaf["mesh"]
-        mesh_text = ("-" if mesh is None else
-                     ",".join(f"{a}={n}" for a, n in zip(mesh["axis_names"], mesh["axis_sizes"])) or "single device")
         spec = "-" if leaf["partition_spec"] is None else spec_text(leaf["partition_spec"])
         zarr = leaf["storage"] == "zarr"
         rows.append([
-            name, leaf["dtype"], _shape_text(leaf["shape"]), mesh_text, spec,
+            name, leaf["dtype"], _shape_text(leaf["shape"]), _mesh_text(leaf["mesh"]), spec,
             _shape_text(leaf["chunk_shape"]) if zarr else "-", str(leaf["chunks"]) if zarr else "-",
             human_bytes(leaf["nbytes"]),
-            f"zarr {leaf['storage_path']}" if zarr else f"stacked {leaf['storage_path']}"
-            if leaf["storage"] == "stacked" else "inline",
+            "inline" if leaf["storage"] == "inline" else f"{leaf['storage']} {leaf['storage_path']}",
         ])
     return rows
 
 
 def inspect_title(doc: dict) -> list[str]:
     """The lines above the inspect table."""
-    out = [
-        f"checkpoint {doc['path']}",
-        f"format {doc['format']} v{doc['format_version']}, written by jax-ckpt {doc['library_version'] or '?'} "
-        f"at {local_time(doc['created'])}",
-    ]
+    out = [f"checkpoint {doc['path']}"]
+    if doc.get("orbax"):
+        out.append(f"{doc['orbax']['what']}: read by ckpt.restore through TensorStore; "
+                   "'ckpt convert' makes a jax-ckpt checkpoint of it")
+    elif doc["format"] == "safetensors":
+        out.append(f"safetensors, {doc['totals'].get('safetensors_files', 1)} file(s): read by ckpt.restore "
+                   "(no checksums)")
+    else:
+        out.append(f"format {doc['format']} v{doc['format_version']}, written by jax-ckpt "
+                   f"{doc['library_version'] or '?'} at {local_time(doc['created'])}")
     if doc.get("metrics"):
         out.append("metrics: " + ", ".join(f"{k}={_value_text(v)}" for k, v in doc["metrics"].items()))
     if doc["user_metadata"]:
@@ -216,32 +257,117 @@ def inspect_title(doc: dict) -> list[str]:
 
 def inspect_total(doc: dict) -> str:
     t = doc["totals"]
-    stacked = f"{t['stacked_arrays']} in {t['stacks']} stacks, " if t.get("stacks") else ""
-    return (f"total: {t['leaves']} leaves, {t['arrays']} arrays ({t['zarr_arrays']} zarr, {stacked}{t['inline_arrays']} "
-            f"inline), {t['chunks']} chunks, {human_bytes(t['bytes'])} of array data "
+    if doc["format"] == "safetensors":
+        return f"total: {plural(t['arrays'], 'tensor')}, {human_bytes(t['bytes'])} in {t.get('safetensors_files', 1)} file(s)"
+    stacked = f"{t['stacked_arrays']} in {plural(t['stacks'], 'stack')}, " if t.get("stacks") else ""
+    return (f"total: {plural(t['leaves'], 'leaf', 'leaves')}, {plural(t['arrays'], 'array')} ({t['zarr_arrays']} zarr, {stacked}{t['inline_arrays']} "
+            f"inline), {plural(t['chunks'], 'chunk')}, {human_bytes(t['bytes'])} of array data "
             f"({human_bytes(t['zarr_bytes'])} in chunks, {human_bytes(t['inline_bytes'])} inline)")
 
 
-def render_inspect(doc: dict, manifest: Manifest) -> str:
-    """The inspect document as a table in tree order (the manifest gives the tree)."""
-    header = INSPECT_HEADER
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """'1 chunk', '2 chunks' ('1 leaf', '2 leaves' with `many`)."""
+    return f"{n} {word}" if n == 1 else f"{n} {many or word + 's'}"
+
+
+def _crop(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(0, width - 1)] + ELLIPSIS
+
+
+def inspect_lines(doc: dict, manifest: Manifest, width: int | None = None) -> list[list[tuple[str, str | None]]]:
+    """The inspect output as lines of (text, meaning) segments (meaning: a style name of
+    ckpt.cli._style, or None), fitted to `width` columns (None: as wide as it takes, for pipes).
+
+    Nothing is cut silently: a mesh too long for its column is named once above the table (m1,
+    m2...) and its name shown in the column; on a narrow terminal, whole columns are left out
+    (in _DROP_ORDER) and named in a note under the table; and if the table is still too wide, the
+    longest cells are cut with an ellipsis, which the note explains. Inner nodes and values are
+    lines of their own that never set a column's width."""
+    header = list(INSPECT_HEADER)
     rows = inspect_rows(doc, manifest)
-    table = [header] + [r for r in rows if isinstance(r, list) and len(r) == len(header)]
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    cells = [r for r in rows if isinstance(r, list) and len(r) == len(header)]
+    meshes: dict[str, str] = {}
 
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+    def fits(cols: list[int], widths: list[int]) -> bool:
+        return width is None or sum(widths[c] for c in cols) + 2 * (len(cols) - 1) <= width
 
-    out = inspect_title(doc) + ["", line(header)]
+    def natural(cols: list[int]) -> list[int]:
+        return [max([len(header[c])] + [len(r[c]) for r in cells]) if c in cols else 0 for c in range(len(header))]
+
+    cols = list(range(len(header)))
+    if any(len(r[3]) > LONG_MESH for r in cells) or not fits(cols, natural(cols)):
+        for r in cells:
+            if r[3] not in ("-", "single device") and (len(r[3]) > LONG_MESH or width is not None):
+                r[3] = meshes.setdefault(r[3], f"m{len(meshes) + 1}")
+    widths = natural(cols)
+    dropped = []
+    for name in _DROP_ORDER:
+        if fits(cols, widths):
+            break
+        cols.remove(header.index(name))
+        dropped.append(name)
+        widths = natural(cols)
+    cut = False
+    while not fits(cols, widths):
+        # Cut the widest of the cells that may be cut (NAME, SHAPE, SPEC, STORAGE), one column
+        # a character at a time, to at least 6 characters.
+        c = max((c for c in (0, 2, 4, 8) if c in cols and widths[c] > 6), key=lambda c: widths[c], default=None)
+        if c is None:
+            break
+        widths[c] -= 1
+        cut = True
+
+    def line(cs: list[str], meaning: str | None = None) -> list[tuple[str, str | None]]:
+        parts = []
+        for k, c in enumerate(cols):
+            text = _crop(cs[c], widths[c])
+            text = text.rjust(widths[c]) if c in _RIGHT else text.ljust(widths[c])
+            style = meaning or {1: "dtype", 8: "dim" if cs[c] == "inline" else None}.get(c)
+            parts.append((text if k == len(cols) - 1 else text + "  ", style))
+        last, style = parts[-1]
+        parts[-1] = (last.rstrip(), style)
+        return parts
+
+    out: list[list[tuple[str, str | None]]] = []
+    title = inspect_title(doc)
+    out.append([(title[0], "header")])
+    out += [[(t, "dim")] for t in title[1:]]
+    for text, label in meshes.items():
+        # Wrapped after its commas (never inside an axis name) to the terminal's width.
+        parts, line_text = text.split(","), f"mesh {label}: "
+        for k, part in enumerate(parts):
+            part += "," if k < len(parts) - 1 else ""
+            if width is not None and len(line_text) + len(part) > width and line_text.strip():
+                out.append([(line_text.rstrip(), "dim")])
+                line_text = "  "
+            line_text += part
+        out.append([(line_text, "dim")])
+    out.append([])
+    out.append(line(header, "header"))
     for r in rows:
         if isinstance(r, str):
-            out.append(r)
+            out.append([(r, "header")])
         elif len(r) == len(header):
             out.append(line(r))
-        else:
-            out.append(f"{r[0].ljust(widths[0])}  {r[1]} {r[2]}")
-    out += ["", inspect_total(doc)]
-    return "\n".join(out)
+        else:  # a value leaf: its kind and value
+            pad = max(widths[0], len(r[0]))
+            out.append([(f"{r[0].ljust(pad)}  ", None), (r[1], "dtype"), (" " + r[2], "value")])
+    out.append([])
+    out.append([(inspect_total(doc), "header")])
+    if dropped or cut:
+        what = []
+        if dropped:
+            what.append(f"column(s) {', '.join(dropped)} left out")
+        if cut:
+            what.append(f"cells ending in {ELLIPSIS} cut")
+        out.append([(f"note: {' and '.join(what)} to fit {width} columns; a wider terminal, or "
+                     "--json, shows everything", "note")])
+    return out
+
+
+def render_inspect(doc: dict, manifest: Manifest, width: int | None = None) -> str:
+    """The inspect document as a table in tree order (the manifest gives the tree)."""
+    return "\n".join("".join(t for t, _ in line).rstrip() for line in inspect_lines(doc, manifest, width))
 
 
 def ls_document(rows: list[StepRow]) -> list[dict]:

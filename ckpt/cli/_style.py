@@ -21,6 +21,7 @@ from rich.text import Text
 STYLES = {
     "committed": "green", "intact": "bold green", "equal": "green", "uncommitted": "yellow", "corrupt": "bold red",
     "damaged": "bold red", "differ": "red", "bad": "red", "dim": "dim", "path": "cyan", "header": "bold",
+    "dtype": "magenta", "value": "yellow", "note": "yellow",
 }
 
 
@@ -37,18 +38,57 @@ def styled(text: str, meaning: str | None) -> Text:
     return Text(text, style=STYLES.get(meaning or "", ""))
 
 
+FLEX_MIN = 12  # the narrowest a folding column (names, paths) gets before the table gives up
+
+
+class FitTable:
+    """A borderless table with a bold header, as `ls`, `plan` and `du` draw them, that never
+    cuts a cell: the first and last columns (names, paths) fold onto further lines when the
+    terminal is narrow, every other column keeps its full width, and when even that does not fit,
+    the rows are printed as plain lines (which the terminal wraps) instead of a table whose
+    columns rich would crop without a mark (issue 26: 'bfloat1', '[32,')."""
+
+    def __init__(self, header: Sequence[str], rows: list[Sequence[str | Text]], right: set[int], title: str | None):
+        self.header, self.rows, self.right, self.title = list(header), rows, right, title
+        n = len(self.header)
+        self.widths = [max([len(self.header[i])] + [len(Text(r[i]).plain if isinstance(r[i], str) else r[i].plain)
+                                                     for r in rows]) for i in range(n)]
+        self.flex = {0, n - 1}
+
+    def _table(self) -> Table:
+        t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style=STYLES["header"],
+                  title=self.title, title_justify="left", title_style="bold")
+        for i, name in enumerate(self.header):
+            justify = "right" if i in self.right else "left"
+            if i in self.flex:
+                t.add_column(name, justify=justify, overflow="fold", min_width=min(self.widths[i], FLEX_MIN))
+            else:
+                t.add_column(name, justify=justify, no_wrap=True, min_width=self.widths[i])
+        for row in self.rows:
+            t.add_row(*row)
+        return t
+
+    def __rich_console__(self, console, options):
+        least = sum(min(w, FLEX_MIN) if i in self.flex else w for i, w in enumerate(self.widths))
+        if least + 3 * (len(self.widths) - 1) <= options.max_width:
+            yield self._table()
+            return
+        if self.title:
+            yield Text(self.title, style="bold")
+        yield Text("  ".join(self.header), style=STYLES["header"])
+        for row in self.rows:
+            line = Text()
+            for i, cell in enumerate(row):
+                line.append_text(Text(cell) if isinstance(cell, str) else cell)
+                if i < len(row) - 1:
+                    line.append("  ")
+            yield line
+
+
 def table(header: Sequence[str], rows: Iterable[Sequence[str | Text]], *, right: Iterable[int] = (),
-          title: str | None = None) -> Table:
-    """A borderless table with a bold header, as `ls`, `inspect`, `plan` and `du` draw them."""
-    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style=STYLES["header"],
-              title=title, title_justify="left", title_style="bold")
-    right = set(right)
-    for i, name in enumerate(header):
-        t.add_column(name, justify="right" if i in right else "left", no_wrap=i < len(header) - 1,
-                     overflow="fold")
-    for row in rows:
-        t.add_row(*row)
-    return t
+          title: str | None = None) -> FitTable:
+    """A table as `ls`, `plan` and `du` draw them (``FitTable``)."""
+    return FitTable(header, list(rows), set(right), title)
 
 
 def share_bar(fraction: float, width: int = 20) -> Text:

@@ -23,21 +23,17 @@ def rich_ls(rows: list[StepRow]):
     return table(LS_HEADER, body, right={0, 2, 3})
 
 
-def rich_inspect(doc: dict, manifest: Manifest):
-    from ckpt.cli._render import INSPECT_HEADER, inspect_rows, inspect_title, inspect_total
+def rich_inspect(doc: dict, manifest: Manifest, width: int):
+    """The same lines as the plain text, fitted to the terminal's width, in colour."""
+    from ckpt.cli._render import inspect_lines
 
-    body = []
-    for r in inspect_rows(doc, manifest):
-        if isinstance(r, str):
-            body.append([Text(r, style="bold")] + [""] * (len(INSPECT_HEADER) - 1))
-        elif len(r) == len(INSPECT_HEADER):
-            storage = Text(r[8], style="dim" if r[8] == "inline" else "")
-            body.append([r[0], Text(r[1], style="magenta"), *r[2:8], storage])
-        else:  # a value leaf: its kind and value
-            body.append([r[0], Text(r[1], style="magenta"), Text(r[2], style="yellow")] + [""] * (len(INSPECT_HEADER) - 3))
-    title = inspect_title(doc)
-    head = [Text(title[0], style="bold")] + [Text(line, style="dim") for line in title[1:]]
-    return Group(*head, Text(), table(INSPECT_HEADER, body, right={6, 7}), Text(inspect_total(doc), style="bold"))
+    out = []
+    for line in inspect_lines(doc, manifest, width):
+        t = Text(no_wrap=False)
+        for text, meaning in line:
+            t.append_text(styled(text, meaning))
+        out.append(t)
+    return Group(*out)
 
 
 _MARKS = [(re.compile(r"\bdiffer\b.*$|-> .*$"), "red"), (re.compile(r"\bequal\b"), "green"),
@@ -65,7 +61,7 @@ def colour_lines(text: str):
 
 
 def rich_plan(doc: dict, per_leaf: bool):
-    from ckpt.cli._render import human_bytes
+    from ckpt.cli._render import human_bytes, plural
 
     def cells(label: str, t: dict) -> list:
         amp = t["read_amplification"]
@@ -76,7 +72,7 @@ def rich_plan(doc: dict, per_leaf: bool):
     header = ["PROCESS", "READ", "CHUNKS", "NEEDED", "OF IT INLINE", "AMPLIFICATION"]
     mesh = ",".join(f"{a}={n}" for a, n in zip(doc["mesh"]["axis_names"], doc["mesh"]["axis_sizes"]))
     parts = [Text(f"restore of {doc['path']}", style="bold"),
-             Text(f"onto mesh {mesh} in {doc['processes']} process(es) of {doc['devices_per_process']} devices",
+             Text(f"onto mesh {mesh} in {doc['processes']} process(es) of {plural(doc['devices_per_process'], 'device')}",
                   style="dim"), Text()]
     rows = [cells(str(p["process"]), p) for p in doc["per_process"]] + [cells("total", doc["total"])]
     parts.append(table(header, rows, right=range(1, 6)))

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import queue
 import secrets
 import threading
 import warnings
@@ -120,6 +121,31 @@ class Usage(NamedTuple):
     modified: float  # newest modification time below it, seconds since the epoch
 
 
+class _ExitSafePool(ThreadPoolExecutor):
+    """A ThreadPoolExecutor whose work still runs where no thread may start: Python 3.12.0 and
+    3.12.1 refuse every new thread once the interpreter is exiting ("can't create new thread at
+    interpreter shutdown", even in the threading exit hooks; allowed again from 3.12.2, CPython
+    gh-113964), which is when a save the program did not wait() for finishes (_save's exit hook).
+    Such work runs on the threads the pool already has or, where it has none, in the submitting
+    thread (the engines' work never submits to its own pool, so this cannot deadlock)."""
+
+    def _adjust_thread_count(self) -> None:
+        try:
+            super()._adjust_thread_count()
+        except RuntimeError as e:
+            if "interpreter shutdown" not in str(e):
+                raise
+            if getattr(self, "_threads", None):
+                return  # (queued: a thread of the pool takes it)
+            while True:  # no thread at all: run what is queued here (submit queued it before)
+                try:
+                    item = self._work_queue.get_nowait()
+                except queue.Empty:
+                    return
+                if item is not None:
+                    item.run()
+
+
 _pools: dict[tuple[str, int], ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
@@ -129,7 +155,7 @@ def shared_pool(name: str, concurrency: int) -> ThreadPoolExecutor:
     share one per name and width rather than starting threads per storage or per save)."""
     with _pools_lock:
         if (name, concurrency) not in _pools:
-            _pools[name, concurrency] = ThreadPoolExecutor(concurrency, thread_name_prefix=name)
+            _pools[name, concurrency] = _ExitSafePool(concurrency, thread_name_prefix=name)
         return _pools[name, concurrency]
 
 
