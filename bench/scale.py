@@ -223,6 +223,7 @@ class Figures:
     plan_peak_mib: float = 0.0
     manifest_bytes: int = 0  # read by every restoring process
     index_bytes: int = 0  # index parts a restoring process reads (beyond the manifest)
+    chunks: int = 0
     save_s: float = 0.0
 
 
@@ -249,57 +250,64 @@ def arrays_of(tree: str, processes: int):
 
 
 def plan_one_process(tree: str, processes: int, process: int):
-    """What one process computes before writing (today: the whole job's plan)."""
+    """What one process computes before writing: its own part of the plan (plan_save's
+    `process`), from the holders of every unique region (as ``array_shards`` gets them)."""
     from ckpt._save.plan import plan_save
 
     leaves, arrays = arrays_of(tree, processes)
-    plan = plan_save(arrays)
-    return leaves, plan, plan.for_process(process)
+    plan = plan_save(arrays, process=process)
+    return leaves, arrays, plan
 
 
-def measure_planning(tree: str, processes: int) -> tuple[float, float, tuple]:
+def measure_planning(tree: str, processes: int, process: int = 0) -> tuple[float, float, tuple]:
     t0 = time.process_time()
-    result = plan_one_process(tree, processes, 0)
+    result = plan_one_process(tree, processes, process)
     cpu = time.process_time() - t0
     del result
     tracemalloc.start()
-    result = plan_one_process(tree, processes, 0)
+    result = plan_one_process(tree, processes, process)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     return cpu, peak / 2**20, result
 
 
-def _status_of(plan, process: int) -> bytes:
-    """What a process reports after writing (today: every chunk's checksum)."""
-    from ckpt._geometry import chunk_grid, chunk_index_of, flat_chunk_index
-
-    sums = []
-    for w in plan.for_process(process):
-        array = getattr(w, "array", None)
-        array = w.leaf if array is None else array
-        sums.append([array, hash((array, w.box)) & 0xFFFF, 0x12345678])
-    return msgpack.packb({"error": None, "sums": sums}, use_bin_type=True)
+def _index_bytes(plan) -> bytes:
+    """A process's index object, as _SaveJob._put_index packs it (checksums made up)."""
+    return msgpack.packb([[getattr(w, "array", getattr(w, "leaf", 0)), k, 0x9E3779B9]
+                          for k, w in enumerate(plan.writes)], use_bin_type=True)
 
 
-def coordinate(processes: int, statuses: list[bytes], straggler_s: float = 0.0) -> CountingKV:
-    """Run the coordination of one save over a counting KV client, one thread per process."""
+def _status(index: dict | None) -> bytes:
+    """A status as _SaveJob._exchange_and_commit packs it."""
+    return msgpack.packb({"error": None, "index": index, "stats": [0.1234, 1.2345, 12.345, 688_000_000, 3]},
+                         use_bin_type=True)
+
+
+def coordinate(processes: int, straggler_s: float = 0.0) -> CountingKV:
+    """Run the coordination of one save over a counting KV client, one thread per process:
+    the exchanges of ``ckpt._save`` (plan views gathered to the primary, the staged place
+    broadcast, statuses gathered, the outcome broadcast), through ckpt._distributed."""
     from ckpt._distributed import DistributedCoordinator
 
     kv = CountingKV(processes)
     errors: list = []
     threading.stack_size(256 << 10)
+    fp = hashlib.sha256(b"plan").digest()
+    index = {"key": "~index/1023", "size": 281_000, "crc": 0x12345678}
+    outcome = msgpack.packb({"error": None, "stats": {"slowest": 17, "slowest_s": 12.3456, "bytes": 705 * 10**9,
+                                                      "requests": 3 * processes, "wait_s": 1.2345,
+                                                      "process_count": processes}})
 
     def run(p: int) -> None:
         try:
             coord = DistributedCoordinator(kv.client(p), p, processes)
             save_id = coord.new_save_id()
-            fp = hashlib.sha256(b"plan").digest()
-            coord.all_gather(f"{save_id}/plan", msgpack.packb({"plan": fp}))
+            coord.gather(f"{save_id}/plan", msgpack.packb({"plan": fp}))
             coord.broadcast(f"{save_id}/prepare", lambda: msgpack.packb({"staged": {"prefix": "gen-0123456789ab/"}}))
             if straggler_s and p == processes - 1:
                 time.sleep(straggler_s)
-            coord.all_gather(f"{save_id}/written", statuses[p])
-            coord.broadcast(f"{save_id}/commit", lambda: msgpack.packb({"error": None}))
+            coord.gather(f"{save_id}/written", _status(None if p == 0 else index))
+            coord.broadcast(f"{save_id}/commit", lambda: outcome)
             coord.end_save(save_id)
         except BaseException as e:  # noqa: BLE001
             errors.append((p, e))
@@ -314,57 +322,80 @@ def coordinate(processes: int, statuses: list[bytes], straggler_s: float = 0.0) 
     return kv
 
 
+def _unique_chunks(arrays, plan) -> int:
+    """Objects of chunk data in the job: every chunk of every array written region by region,
+    and the packed writes (the same on every process: packing is planned by all alike)."""
+    from ckpt._geometry import chunk_grid
+
+    packed = {id(a) for a in arrays if any(a.leaf in st.members for st in plan.stacks) or a.leaf in plan.whole}
+    stacked = sum(math.ceil(len(st.members) / st.chunk_members) for st in plan.stacks)
+    return sum(math.prod(chunk_grid(a.shape, a.chunk_shape)) for a in arrays if id(a) not in packed) \
+        + stacked + len(plan.whole)
+
+
+MANIFEST_MEASURED_UP_TO = 1024  # beyond: the manifest's size extrapolated from its bytes per chunk
+
+
 def simulate(tree: str, processes: int, *, straggler_s: float = 0.0, coordination: bool = True) -> Figures:
-    from ckpt._format import GROUP_METADATA, ArraySpec, LeafRecord, Manifest, ZarrStorage, array_metadata_bytes
-    from ckpt._geometry import chunk_grid, chunk_key
+    from ckpt._format import LeafRecord, Manifest, ZarrStorage
+    from ckpt._geometry import chunk_grid
     from ckpt._save.commit import group_paths
 
     fig = Figures(tree, processes)
-    fig.plan_cpu_s, fig.plan_peak_mib, (leaves, plan, _) = measure_planning(tree, processes)
+    fig.plan_cpu_s, fig.plan_peak_mib, (leaves, arrays, plan) = measure_planning(tree, processes)
     store = CountingStore(processes)
     prefix = "gen-0123456789ab/"
-    # Every process writes its chunks; the primary its zarr.json files.
-    arrays = {}
-    for w in plan.writes:
-        array = getattr(w, "array", None)
-        array = w.leaf if array is None else array
-        store.put(w.process, f"{prefix}{array}/c/{hash(w.box)}", w.nbytes)
-        arrays.setdefault(array, 0)
-    for array in arrays:
-        store.put(0, f"{prefix}{array}/zarr.json", 400)
-    paths = [leaves[a][0] if a >= 0 else f"~stacks/{-1 - a}" for a in arrays]
-    for g in group_paths(paths, prefix):
-        store.put(0, f"{prefix}{g}/zarr.json", len(GROUP_METADATA))
+    chunks = _unique_chunks(arrays, plan)
+    # Writes: each process its chunks (as process 0 plans them: the trees are symmetric) and,
+    # but the primary, its index object; the primary the zarr.json files.
+    mine = len(plan.writes)
+    index = _index_bytes(plan)
+    store.requests["PUT"][:] += mine
+    store.requests["PUT"][1:] += 1
+    for p in range(1, processes):
+        store.objects[f"{prefix}~index/{p}"] = len(index)
+    stacked = {m for st in plan.stacks for m in st.members}
+    paths = [leaves[a.leaf][0] for a in arrays if a.leaf not in stacked]
+    paths += [f"~stacks/{s}" for s in range(len(plan.stacks))]
+    metadata = len(paths) + len(group_paths(paths, prefix))
+    store.requests["PUT"][0] += metadata
     before = {k: int(v[0]) for k, v in store.requests.items()}
-    # The commit: today the primary lists the whole generation (_check_written -> stat_many).
-    store.list_prefix(0, prefix)
-    # The manifest: one record per leaf with every chunk's checksum.
-    checksums = defaultdict(list)
-    for w in plan.writes:
-        array = getattr(w, "array", None)
-        checksums[w.leaf if array is None else array].append(0x12345678)
-    records = []
-    for i, (path, shape, dtype, spec) in enumerate(leaves):
-        st = ZarrStorage(path, shape, dtype, "raw", chunk_checksums=tuple(checksums.get(i, ())))
-        records.append(LeafRecord(path, "jax.Array", shape, dtype, {"spec": [list(s) if isinstance(s, tuple) else s for s in spec]}, st))
-    manifest = Manifest({}, records).encode()
-    store.put(0, "manifest.msgpack", len(manifest))
-    fig.manifest_bytes = len(manifest)
-    fig.objects = len(store.objects)
+    # The commit: the primary reads each index object once (no listing), then the manifest.
+    for p in range(1, processes):
+        store.get(0, f"{prefix}~index/{p}")
+    n_chunks = 0
+    if processes <= MANIFEST_MEASURED_UP_TO:
+        records = []
+        for i, (path, shape, dtype, spec) in enumerate(leaves):
+            a = arrays[i]
+            n = math.prod(chunk_grid(a.shape, a.chunk_shape))
+            n_chunks += n
+            st = ZarrStorage(path, a.chunk_shape, dtype, "raw", chunk_checksums=(0x9E3779B9,) * n)
+            records.append(LeafRecord(path, "jax.Array", shape, dtype,
+                                      {"spec": [list(x) if isinstance(x, tuple) else x for x in spec]}, st))
+        manifest = len(Manifest({}, records).encode())
+        del records
+    else:
+        small = simulate(tree, MANIFEST_MEASURED_UP_TO, coordination=False) if tree else None
+        per_chunk = (small.manifest_bytes - 200 * len(leaves)) / max(1, small.chunks)
+        manifest = int(200 * len(leaves) + per_chunk * chunks)
+    store.put(0, "manifest.msgpack", manifest)
+    fig.manifest_bytes = manifest
+    fig.chunks = chunks
+    fig.objects = chunks + metadata + (processes - 1) + 1
     fig.primary_requests = {k: int(v[0]) for k, v in store.requests.items()}
     fig.commit_requests = sum(fig.primary_requests.values()) - sum(before.values())
     fig.primary_listed_keys = store.listed_keys
     if processes > 1:
         fig.process_requests = {k: int(v[1:].max()) for k, v in store.requests.items()}
     if coordination:
-        statuses = [_status_of(plan, p) for p in range(processes)]
         t0 = time.monotonic()
-        kv = coordinate(processes, statuses)
+        kv = coordinate(processes)
         fig.save_s = time.monotonic() - t0
         fig.coord_calls, fig.coord_bytes = int(kv.calls.sum()), int(kv.bytes.sum())
         fig.coord_bytes_primary = int(kv.bytes[0])
         if straggler_s:
-            fig.coord_bytes_straggler = int(coordinate(processes, statuses, straggler_s).bytes.sum())
+            fig.coord_bytes_straggler = int(coordinate(processes, straggler_s).bytes.sum())
     return fig
 
 
