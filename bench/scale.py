@@ -357,8 +357,12 @@ def simulate(tree: str, processes: int, *, straggler_s: float = 0.0, coordinatio
     stacked = {m for st in plan.stacks for m in st.members}
     paths = [leaves[a.leaf][0] for a in arrays if a.leaf not in stacked]
     paths += [f"~stacks/{s}" for s in range(len(plan.stacks))]
-    metadata = len(paths) + len(group_paths(paths, prefix))
-    store.requests["PUT"][0] += metadata
+    groups = len(group_paths(paths, prefix))
+    metadata = len(paths) + groups
+    # Every processes-th array's zarr.json per process (write.metadata_share); the groups' by
+    # the primary.
+    store.requests["PUT"][:] += np.array([len(range(p, len(paths), processes)) for p in range(processes)])
+    store.requests["PUT"][0] += groups
     before = {k: int(v[0]) for k, v in store.requests.items()}
     # The commit: the primary reads each index object once (no listing), then the manifest.
     for p in range(1, processes):

@@ -59,7 +59,7 @@ from ckpt._save.stage import (
     release_host_memory,  # noqa: F401 (the door)
     stage,
 )
-from ckpt._save.write import END, _write_chunks, array_specs
+from ckpt._save.write import END, _write_chunks, array_specs, metadata_share
 from ckpt.storage import NotDurableError, OutcomeUnknownError, Staged, Storage, open_storage
 
 _log = logging.getLogger("ckpt")
@@ -622,14 +622,16 @@ class _SaveJob:
                                  # Object stores: at most two requests per I/O slot in flight
                                  # (the engine runs io_concurrency at once; one more each keeps
                                  # them busy), so a failing chunk stops the save within one round.
-                                 max_inflight_writes=None if self.storage.renames else 2 * self.options.io_concurrency)
+                                 max_inflight_writes=None if self.storage.renames else 2 * self.options.io_concurrency,
+                                 share=(coord.process_index, coord.process_count))
         except BaseException as e:
             error = e
         self.stats["write_s"] = time.perf_counter() - write_start
-        self.stats["requests"] = self.stats.get("writes", 0)
-        if primary:  # (and its zarr.json files)
-            paths = [path for path, _ in array_specs(self.leaves, self.stacks).values()]
-            self.stats["requests"] += len(paths) + len(group_paths(paths, self.staged.prefix))
+        specs = array_specs(self.leaves, self.stacks)  # (and its share of the zarr.json files)
+        self.stats["requests"] = self.stats.get("writes", 0) + len(
+            metadata_share(specs, coord.process_index, coord.process_count))
+        if primary:
+            self.stats["requests"] += len(group_paths((path for path, _ in specs.values()), self.staged.prefix))
         # The point of no return: past it, cancel() refuses; before it, a cancel (here, or on
         # any process: its error reaches the primary) makes the primary abort the save.
         if error is None and not self.cancel.may_commit():
