@@ -99,6 +99,9 @@ class CountingKV:
     def __init__(self, processes: int) -> None:
         self.data: dict[str, bytes] = {}
         self.cond = threading.Condition()
+        # One event per key waited on: a write wakes only its own waiters (a shared condition
+        # would wake all 4,096 threads at every write).
+        self.events: dict[str, threading.Event] = {}
         self.calls = np.zeros(processes, dtype=np.int64)
         self.bytes = np.zeros(processes, dtype=np.int64)
 
@@ -123,18 +126,22 @@ class _Client:
             if key in self.kv.data and not allow_overwrite:
                 raise RuntimeError(f"ALREADY_EXISTS: {key}")
             self.kv.data[key] = bytes(value)
-            self.kv.cond.notify_all()
+            event = self.kv.events.get(key)
+        if event is not None:
+            event.set()
 
     def blocking_key_value_get_bytes(self, key: str, timeout_ms: int) -> bytes:
-        deadline = time.monotonic() + timeout_ms / 1000
         with self.kv.cond:
-            while key not in self.kv.data:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self._count(len(key))
-                    raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
-                self.kv.cond.wait(left)
-            value = self.kv.data[key]
+            value = self.kv.data.get(key)
+            if value is None:
+                event = self.kv.events.setdefault(key, threading.Event())
+        if value is None:
+            event.wait(timeout_ms / 1000)
+            with self.kv.cond:
+                value = self.kv.data.get(key)
+            if value is None:
+                self._count(len(key))
+                raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
         self._count(len(key) + len(value))
         return value
 

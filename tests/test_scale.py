@@ -95,8 +95,10 @@ def test_a_missing_process_is_named_by_the_primary(monkeypatch):
         t.join()
     assert set(errors) == {0}  # the others posted and went on; the primary waited, then named it
     assert isinstance(errors[0], ckpt.CheckpointError) and "process(es) [3]" in str(errors[0])
-    # Each status was fetched once (a listing, then one read per missing one), not every slice.
-    assert kv.calls[0] <= 1 + 3 + 2 * (0.5 / 0.1 + 2) + 2
+    # The statuses were fetched once (one listing, then one read per missing process); waiting
+    # cost a read of process 3's key and of its life counter per 0.1 s slice (and this process's
+    # own life counter every 0.08 s): a few dozen calls, whatever the statuses hold.
+    assert kv.calls[0] <= 40, kv.calls[0]
 
 
 def test_single_process_save_reports_its_figures(tmp_path, caplog):
