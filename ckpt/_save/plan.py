@@ -410,7 +410,15 @@ def plan_save(arrays: Iterable[ArrayShards], *, pack_limit: int = PACK_LIMIT,
             if layout is None:
                 boxes = sorted(a.holders.items())
                 whole = tuple(sorted(set.intersection(*({p for p, _ in h} for _, h in boxes))))
-                layout = layouts[id(a.holders)] = (whole, boxes)
+                # Each box's devices by process, once per holders map (a replicated array's one
+                # box has every device of the job: 32,768 at 4,096 x 8).
+                by_proc = []
+                for box, h in boxes:
+                    devs: dict[int, list[int]] = {}
+                    for q, d in h:
+                        devs.setdefault(q, []).append(d)
+                    by_proc.append((box, devs))
+                layout = layouts[id(a.holders)] = (whole, by_proc)
             if layout[0]:
                 packable.append((a, layout))
                 continue
@@ -429,8 +437,8 @@ def plan_save(arrays: Iterable[ArrayShards], *, pack_limit: int = PACK_LIMIT,
         proc = procs[0] if len(procs) == 1 else sets.assign(procs, nbytes)
         packed_load[proc] = packed_load.get(proc, 0) + nbytes
         pieces = []
-        for box, h in boxes:
-            devs = sorted({d for q, d in h if q == proc})
+        for box, devices in boxes:
+            devs = sorted(set(devices[proc]))
             dev = devs[0] if len(devs) == 1 else _least(devs, dev_load, key=lambda d: (proc, d))
             dev_load[(proc, dev)] = dev_load.get((proc, dev), 0) + box_size(box) * a.itemsize
             pieces.append((box, dev))
@@ -441,30 +449,37 @@ def plan_save(arrays: Iterable[ArrayShards], *, pack_limit: int = PACK_LIMIT,
     sets = _Loads(packed_load)
     items = []
     by_proc: dict[int, list] = {}
+    seen: dict[int, tuple] = {}
     for a in big:
         if process is None:
             mine = a.holders.items()
         else:
             held = by_proc.get(id(a.holders))
             if held is None:
-                held = by_proc[id(a.holders)] = [(box, h) for box, h in a.holders.items()
-                                                 if any(p == process for p, _ in h)]
+                held = by_proc[id(a.holders)] = [
+                    (box, h) for box, h in a.holders.items()
+                    if (h[0][0] == process if len(h) == 1 else any(p == process for p, _ in h))]
             mine = held
         for box, holders in mine:
-            holders = tuple(sorted(set(holders)))
+            # (holders, their processes, this process's devices among them), once per list
+            # of holders: a replicated region's list has every device of the job.
+            known = seen.get(id(holders))
+            if known is None:
+                unique = tuple(sorted(set(holders)))
+                procs = tuple(sorted({p for p, _ in unique}))
+                devices: dict[int, list[int]] = {}
+                for p, d in unique:
+                    devices.setdefault(p, []).append(d)
+                known = seen[id(holders)] = (holders, procs, devices)
             for part in _chunks_of(box, a.chunk_shape):
-                items.append((a.leaf, part, box_size(part) * a.itemsize, holders))
-    items.sort(key=lambda it: (len({p for p, _ in it[3]}) > 1, -it[2], it[0], it[1]))
+                items.append((a.leaf, part, box_size(part) * a.itemsize, known))
+    items.sort(key=lambda it: (len(it[3][1]) > 1, -it[2], it[0], it[1]))
     writes: list = []
-    procs_of: dict[tuple, tuple[int, ...]] = {}
-    for leaf, box, nbytes, holders in items:
-        procs = procs_of.get(holders)
-        if procs is None:
-            procs = procs_of[holders] = tuple(sorted({p for p, _ in holders}))
+    for leaf, box, nbytes, (_, procs, devices) in items:
         proc = procs[0] if len(procs) == 1 else sets.assign(procs, nbytes)
         if process is not None and proc != process:
             continue
-        dev = _least([d for p, d in holders if p == proc], dev_load, key=lambda d: (proc, d))
+        dev = _least(devices[proc], dev_load, key=lambda d: (proc, d))
         dev_load[(proc, dev)] = dev_load.get((proc, dev), 0) + nbytes
         writes.append(ShardWrite(leaf, box, proc, dev, nbytes))
     writes.sort(key=lambda w: (w.leaf, w.box))
