@@ -93,6 +93,14 @@ def holders_of(shape: tuple, spec: tuple, axes: dict[str, int]) -> dict[tuple, l
     return holders
 
 
+def _shard_shape(shape: tuple, spec: tuple, axes: dict[str, int]) -> tuple[int, ...]:
+    out = []
+    for dim, entry in zip(shape, spec + (None,) * (len(shape) - len(spec))):
+        group = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+        out.append(dim // math.prod(axes[a] for a in group) if group else dim)
+    return tuple(out)
+
+
 # --- counting key-value client (the jax.distributed client's methods ckpt uses) ---------------
 
 
@@ -247,10 +255,18 @@ def arrays_of(tree: str, processes: int):
     out = []
     leaves = llama70b(scanned)
     cap = 512 << 20
+    grids: dict = {}
     for i, (path, shape, dtype, spec) in enumerate(leaves):
         key = (shape, spec)
         if key not in cache:
-            cache[key] = holders_of(shape, spec, axes)
+            # As array_shards does: every device's cell in the grid of shards once per grid,
+            # then scaled to each shape.
+            parts = tuple(n // k for n, k in zip(shape, _shard_shape(shape, spec, axes)))
+            if (parts, spec) not in grids:
+                grids[(parts, spec)] = holders_of(parts, spec, axes)
+            shard = tuple(n // p for n, p in zip(shape, parts))
+            cache[key] = {tuple((a * k, b * k) for (a, b), k in zip(box, shard)): h
+                          for box, h in grids[(parts, spec)].items()}
         holders = cache[key]
         itemsize = 2 if dtype == "bfloat16" else 4
         box = next(iter(holders))

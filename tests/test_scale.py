@@ -114,3 +114,27 @@ def test_single_process_save_reports_its_figures(tmp_path, caplog):
     assert stats["job"]["slowest"] == 0 and [r["process"] for r in stats["job"]["processes"]] == [0]
     assert stats["job"]["bytes"] == 4096 * 4 and stats["job"]["requests"] >= 1
     assert any("slowest process 0" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("spec", [("x", "y"), ("x",), (None, "y"), (("x", "y"),), ()])
+def test_regions_worked_out_per_grid_are_those_jax_gives(spec):
+    """array_shards works out every device's region once per sharding and grid of shards, then
+    scales it to each shape: the same regions and holders as devices_indices_map per shape."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from ckpt._format import LeafRecord
+    from ckpt._geometry import index_to_box
+    from ckpt._save.plan import Leaf, array_shards
+
+    sharding = NamedSharding(jax.make_mesh((4, 2), ("x", "y")), P(*spec))
+    leaves = []
+    for shape in [(16, 8), (32, 24), (8, 2), (40, 6)]:
+        a = jax.device_put(np.zeros(shape, np.float32), sharding)
+        leaves.append(Leaf(LeafRecord(f"a{len(leaves)}", "jax.Array", shape, "float32"), a, shape))
+    for leaf, got in zip(leaves, array_shards(leaves)):
+        want: dict = {}
+        for d, idx in sharding.devices_indices_map(leaf.record.shape).items():
+            want.setdefault(index_to_box(idx, leaf.record.shape), []).append((d.process_index, d.id))
+        assert {box: sorted(h) for box, h in got.holders.items()} == {box: sorted(h) for box, h in want.items()}
