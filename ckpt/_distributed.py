@@ -155,6 +155,38 @@ class DistributedCoordinator:
         except Exception:  # cleanup only; a lost service is reported by the next exchange
             pass
 
+    def watch(self, done: Callable[[], bool], key: str) -> None:
+        """Wait until `done()` (a collective every process entered) while watching the others:
+        one that shows no sign of life for ``CKPT_TIMEOUT_S`` (killed or stopped inside it) is
+        named in a CheckpointError instead of a hang."""
+        timeout = coordination_timeout()
+        start = time.monotonic()
+        others = [p for p in range(self.process_count) if p != self.process_index]
+        seen = {p: None for p in others}
+        last = {p: start for p in others}
+        pause = 0.0005
+        while not done():
+            time.sleep(pause)
+            pause = min(0.05, 2 * pause)
+            now = time.monotonic()
+            if now - start < min(1.0, timeout / 5) or pause < 0.05:
+                continue
+            try:
+                life = dict(self._client.key_value_dir_get(f"{NAMESPACE}/alive/"))
+            except Exception as e:
+                raise self._lost(key, e) from None
+            for p in others:
+                sign = life.get(self._alive_key(p))
+                if sign != seen[p]:
+                    seen[p], last[p] = sign, now
+            silent = [p for p in others if now - last[p] > timeout]
+            if silent:
+                self._mark_broken(key)
+                raise CheckpointError(
+                    f"process(es) {silent} showed no sign of life for {timeout:g} s ({TIMEOUT_ENV}) during "
+                    f"{self._phase(key)}: crashed or hung (process {self.process_index} waited {now - start:.1f} s)"
+                )
+
     # -- waiting -------------------------------------------------------------------------------
 
     @staticmethod

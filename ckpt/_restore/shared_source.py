@@ -1,0 +1,410 @@
+"""Replicated regions as a source: read once across the processes that hold them, the rest
+received from those peers over the devices' interconnect (docs/multihost.md, "Replicated state").
+
+Where a restore target places the same region on devices of several processes (data
+parallelism across hosts, FSDP inside a host and replicas across hosts), each process would
+otherwise read every byte of its replica from storage. Here each leaf's shard is a *slot* (the
+devices' coordinates along the mesh axes its PartitionSpec uses; the devices along the other
+axes are its replicas), and a slot's bytes are read once in total:
+
+1. Plan (pure, the same on every process): leaves are grouped by (mesh, sharded axes); their
+   shards are cut into pieces along chunk boundaries and packed into *slabs* of ``L`` bytes;
+   within each slab and slot the chunks to read are split byte-balanced among the processes
+   holding the slot (the order rotating slab by slab).
+2. Agree before any I/O: the exchange is compiled first, then every process posts a digest of
+   its plan through the jax.distributed store and waits for all the others (``CKPT_TIMEOUT_S``
+   of silence names the missing processes); a different plan is refused on all.
+3. Per slab: each process fills its part of its slots (zeros elsewhere; one contributing device
+   per slot and process), every process posts "ready" (or the error its reads met), and only
+   then all enter one jitted ``psum`` over the replica axes (``shard_map``), on the bytes as
+   unsigned words, so that adding zeros changes no bit. The next slab is read meanwhile.
+   While the collective runs, peers are watched: one silent for ``CKPT_TIMEOUT_S`` is named.
+4. Each leaf's shards are placed once its last slab is exchanged.
+
+Leaves that cannot share (numpy targets, custom device layouts, PRNG keys, data stored inline or
+in a stack, shardings other than ``NamedSharding``, fewer replicas across processes than asked)
+are read by the ordinary reader, as they are without this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from ckpt._distributed import distributed_coordinator
+from ckpt._errors import CheckpointError
+from ckpt._format import PRNG_KEY, LeafRecord, display_path
+from ckpt._format import dtypes as _dtypes
+from ckpt._geometry import Box, box_shape, box_size, chunk_box, chunks_overlapping, full_box, index_to_box, intersect, relative
+from ckpt._memory import aligned_empty
+from ckpt._options import SHARE_MIN_REPLICAS, Options
+from ckpt._restore.place import _zeros_on
+from ckpt._restore.plan import _Want, cast_values, held_note, plan_leaf_read
+from ckpt._restore.read import Reader, RestoreStats
+
+_WORD = np.dtype(np.uint32)  # the exchange adds unsigned words: x + 0 == x, bit for bit
+_ALIGN = 64
+# Slab bytes per local slot: a quarter of the budget over the local slots (two slabs in flight,
+# each with its chunks read), within these bounds.
+_MIN_SLAB, _MAX_SLAB = 1 << 20, 64 << 20
+
+
+@dataclass(frozen=True)
+class _Piece:
+    k: int  # position in the shared wants
+    rel: Box  # the part of the leaf's shard, relative to the shard's origin (the same in every slot)
+    offset: int  # where its bytes start in the slab
+    nbytes: int
+
+
+@dataclass
+class _Group:
+    """Leaves on one mesh whose PartitionSpecs use the same axes: exchanged together."""
+
+    mesh: Any
+    sharded: tuple[str, ...]
+    replicated: tuple[str, ...]
+    slot_of: dict  # device -> slot (its coordinates along `sharded`)
+    holders: dict  # slot -> sorted process indices holding it
+    leaves: list[int] = field(default_factory=list)  # positions in the shared wants
+    slabs: list[list[_Piece]] = field(default_factory=list)
+    slab_bytes: int = 0
+    wants: list = field(default_factory=list)  # the shared wants (of every group), by position
+
+    def local_slots(self, me: int) -> list:
+        return sorted(s for s, ps in self.holders.items() if me in ps)
+
+
+def share_mode(options: Options) -> int | None:
+    """The fewest replicas across processes from which a leaf is shared, or None (off)."""
+    mode = options.share_replicas
+    return None if mode == "off" else 2 if mode == "on" else SHARE_MIN_REPLICAS
+
+
+def _axes(spec: PartitionSpec) -> set[str]:
+    out = set()
+    for e in spec:
+        if e is None:
+            continue
+        out.update(e if isinstance(e, tuple) else (e,))
+    return out
+
+
+def _group_key(want: _Want, rec: LeafRecord, least: int) -> tuple | None:
+    """(mesh, sharded axes) of a leaf that can be shared, else None."""
+    s = want.sharding
+    if (not isinstance(s, NamedSharding) or want.layout is not None or rec.kind == PRNG_KEY
+            or rec.zarr is None or math.prod(rec.shape) == 0 or isinstance(s.mesh, jax.sharding.AbstractMesh)):
+        return None
+    used = _axes(s.spec)
+    sharded = tuple(a for a in s.mesh.axis_names if a in used)
+    replicated = tuple(a for a in s.mesh.axis_names if a not in used)
+    if not replicated or math.prod(s.mesh.shape[a] for a in replicated) < least:
+        return None
+    return s.mesh, sharded
+
+
+def _make_group(mesh, sharded: tuple[str, ...]) -> _Group:
+    names = list(mesh.axis_names)
+    pos = [names.index(a) for a in sharded]
+    slot_of, holders = {}, {}
+    for idx in np.ndindex(*mesh.devices.shape):
+        d = mesh.devices[idx]
+        slot = tuple(idx[p] for p in pos)
+        slot_of[d] = slot
+        holders.setdefault(slot, set()).add(d.process_index)
+    return _Group(mesh, sharded, tuple(a for a in names if a not in sharded), slot_of,
+                  {s: sorted(ps) for s, ps in holders.items()})
+
+
+def _split(box: Box, chunk: tuple[int, ...], itemsize: int, limit: int) -> list[Box]:
+    """`box` (relative to a shard) cut into boxes of at most `limit` bytes, along multiples of
+    the chunk shape where it spans several chunks (so that a chunk is one piece's)."""
+    if box_size(box) * itemsize <= limit:
+        return [box]
+    for d, (lo, hi) in enumerate(box):
+        step = chunk[d] if hi - lo > chunk[d] else 1 if hi - lo > 1 else 0
+        if not step:
+            continue
+        row = box_size(box) // (hi - lo) * itemsize
+        n = max(1, limit // (row * step)) * step
+        out = []
+        for a in range(lo, hi, n):
+            out += _split(box[:d] + ((a, min(hi, a + n)),) + box[d + 1:], chunk, itemsize, limit)
+        return out
+    return [box]
+
+
+def plan_shared(wants: list[_Want], leaves: list[LeafRecord], least: int | None, budget: int,
+                ) -> tuple[list[_Group], list[_Want]]:
+    """(groups of shared leaves with their slabs, the wants left to the ordinary reader)."""
+    if least is None or jax.process_count() == 1:
+        return [], wants
+    groups: dict[tuple, _Group] = {}
+    rest = []
+    shared: list[_Want] = []
+    for w in wants:
+        rec = leaves[w.index]
+        key = _group_key(w, rec, least)
+        if key is not None:
+            g = groups.get(key) or _make_group(*key)
+            if min(len(ps) for ps in g.holders.values()) >= least:
+                groups[key] = g
+                g.leaves.append(len(shared))
+                shared.append(w)
+                continue
+        rest.append(w)
+    me = jax.process_index()
+    out = []
+    for g in groups.values():
+        local = max(1, len(g.local_slots(me)))
+        itemsizes = [np.dtype(shared[k].dtype).itemsize for k in g.leaves]
+        largest_chunk = max(math.prod(leaves[shared[k].index].chunk_shape) * i for k, i in zip(g.leaves, itemsizes))
+        limit = min(_MAX_SLAB, max(_MIN_SLAB, budget // (4 * local), largest_chunk))
+        pieces = []
+        for k, itemsize in zip(g.leaves, itemsizes):
+            w, rec = shared[k], leaves[shared[k].index]
+            shard = tuple(w.sharding.shard_shape(rec.shape))
+            pieces += [(k, b, box_size(b) * itemsize) for b in _split(full_box(shard), rec.chunk_shape, itemsize, limit)]
+        stream = sum(-(-n // _ALIGN) * _ALIGN for _, _, n in pieces)
+        g.slab_bytes = -(-min(limit, max(stream, _ALIGN)) // _ALIGN) * _ALIGN
+        slab, used = [], 0
+        for k, b, n in pieces:
+            if slab and used + n > g.slab_bytes:
+                g.slabs.append(slab)
+                slab, used = [], 0
+            slab.append(_Piece(k, b, used, n))
+            used += -(-n // _ALIGN) * _ALIGN
+            g.slab_bytes = max(g.slab_bytes, -(-used // _ALIGN) * _ALIGN)  # a piece over the limit alone
+        g.slabs.append(slab)
+        g.wants = shared
+        out.append(g)
+    return out, rest
+
+
+def _box_in(want: _Want, rec: LeafRecord, group: _Group, slot) -> Box:
+    device = next(d for d, s in group.slot_of.items() if s == slot)
+    return index_to_box(want.sharding.devices_indices_map(tuple(rec.shape))[device], rec.shape)
+
+
+def _my_reads(group: _Group, j: int, slot, leaves: list[LeafRecord], me: int) -> list[tuple[_Piece, Box, Box]]:
+    """(piece, its box in the leaf, the part of it this process reads) for slab `j` and `slot`:
+    the chunks under the slab's pieces split byte-balanced among the slot's processes, the
+    first share going to a different process slab by slab."""
+    items = []
+    for p in group.slabs[j]:
+        w = group.wants[p.k]
+        rec = leaves[w.index]
+        shard = _box_in(w, rec, group, slot)
+        box = tuple((o + a, o + b) for (o, _), (a, b) in zip(shard, p.rel))
+        itemsize = np.dtype(w.dtype).itemsize
+        for c in chunks_overlapping(box, rec.chunk_shape):
+            part = intersect(chunk_box(c, rec.chunk_shape, rec.shape), box)
+            items.append((p, box, part, box_size(part) * itemsize))
+    holders = group.holders[slot]
+    total = sum(n for *_, n in items) or 1
+    mine, done = [], 0
+    for p, box, part, n in items:
+        share = min(len(holders) - 1, (2 * done + n) * len(holders) // (2 * total))
+        if holders[(share + j) % len(holders)] == me:
+            mine.append((p, box, part))
+        done += n
+    return mine
+
+
+def _exchange_fn(group: _Group):
+    spec = PartitionSpec(group.sharded) if group.sharded else PartitionSpec()
+    body = jax.shard_map(lambda x: jax.lax.psum(x, group.replicated), mesh=group.mesh, in_specs=spec,
+                         out_specs=spec)
+    n = math.prod(group.mesh.shape[a] for a in group.sharded) * group.slab_bytes // _WORD.itemsize
+    sharding = NamedSharding(group.mesh, spec)
+    compiled = jax.jit(body, donate_argnums=0).lower(jax.ShapeDtypeStruct((n,), _WORD, sharding=sharding)).compile()
+    return compiled, sharding, n
+
+
+class SharedRestore:
+    """The shared leaves of one restore, read and exchanged slab by slab (the module docstring)."""
+
+    def __init__(self, groups: list[_Group], storage, leaves: list[LeafRecord], verify: bool,
+                 stats: RestoreStats, options: Options):
+        self.groups, self.storage, self.leaves = groups, storage, leaves
+        self.verify, self.stats, self.options = verify, stats, options
+        self.me = jax.process_index()
+        self.high_water = 0
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def _take(self, n: int) -> None:
+        with self._lock:
+            self._held += n
+            self.high_water = max(self.high_water, self._held)
+
+    def run(self) -> dict[int, Any]:
+        coord = distributed_coordinator()
+        # Compiled before any I/O and before the agreement: no process compiles while others wait.
+        fns = [_exchange_fn(g) for g in self.groups]
+        rid = coord.new_save_id()
+        try:
+            digest = hashlib.sha256(repr([(g.sharded, g.replicated, g.slab_bytes, sorted(map(str, g.holders.items())),
+                                           [[(p.k, p.rel, p.offset) for p in s] for s in g.slabs],
+                                           [(self.leaves[g.wants[k].index].path, str(g.wants[k].sharding.spec),
+                                             np.dtype(g.wants[k].dtype).str) for k in g.leaves])
+                                          for g in self.groups]).encode()).hexdigest().encode()
+            got = coord.all_gather(f"{rid}/share-plan", digest)
+            differ = [p for p, d in enumerate(got) if d != got[0]]
+            if differ:
+                raise CheckpointError(f"restore of replicated leaves: process(es) {differ} planned a different "
+                                      "restore than process 0 (different targets or options on different processes)")
+            out: dict[int, Any] = {}
+            for i, (g, fn) in enumerate(zip(self.groups, fns)):
+                out.update(self._group(coord, f"{rid}/group-{i}", g, fn))
+            return out
+        finally:
+            coord.end_save(rid)
+
+    def _group(self, coord, rid: str, g: _Group, fn) -> dict[int, Any]:
+        compiled, sharding, n = fn
+        slots = g.local_slots(self.me)
+        local = [d for d in sharding.addressable_devices_indices_map((n,))]
+        contributor = {}
+        for d in sorted(local, key=lambda d: d.id):
+            contributor.setdefault(g.slot_of[d], d)
+        shards: dict[tuple[int, Any], np.ndarray] = {}  # (leaf position, slot) -> host buffer of the shard
+        last_slab = {}
+        for j, slab in enumerate(g.slabs):
+            for p in slab:
+                last_slab[p.k] = j
+        done: dict[int, Any] = {}
+        pool = _OneThread()
+        ahead = pool.submit(self._fill, g, 0, slots)
+        for j in range(len(g.slabs)):
+            error = None
+            try:
+                bufs = ahead.result()
+            except Exception as e:  # noqa: BLE001 (told to the others before it is raised here)
+                error, bufs = e, None
+            ahead = pool.submit(self._fill, g, j + 1, slots) if j + 1 < len(g.slabs) and error is None else None
+            status = b"\x00" if error is None else b"\x01" + f"{type(error).__name__}: {error}".encode()
+            got = coord.all_gather(f"{rid}/slab-{j}", status)
+            if error is not None:
+                pool.close()
+                raise error
+            failed = [(p, v[1:].decode(errors="replace")) for p, v in enumerate(got) if v[:1] != b"\x00"]
+            if failed:
+                pool.close()
+                raise CheckpointError(f"process {failed[0][0]} failed reading its part of the replicated leaves: "
+                                      f"{failed[0][1]}")
+            arrays = []
+            for d in local:
+                s = g.slot_of[d]
+                if contributor[s] is d:
+                    arrays.append(jax.device_put(bufs[s].view(_WORD), d))
+                else:
+                    arrays.append(_zeros_on((g.slab_bytes // _WORD.itemsize,), _WORD, SingleDeviceSharding(d))())
+            x = jax.make_array_from_single_device_arrays((n,), sharding, arrays)
+            del arrays
+            y = compiled(x)
+            coord.watch(y.is_ready, f"{rid}/exchange of slab {j}")
+            for shard in y.addressable_shards:
+                s = g.slot_of[shard.device]
+                if contributor[s] is not shard.device:
+                    continue
+                data = np.asarray(shard.data).view(np.uint8)
+                for p in g.slabs[j]:
+                    w = g.wants[p.k]
+                    rec = self.leaves[w.index]
+                    dtype = np.dtype(w.dtype)
+                    buf = shards.get((p.k, s))
+                    if buf is None:
+                        shape = tuple(w.sharding.shard_shape(rec.shape))
+                        buf = shards[(p.k, s)] = aligned_empty(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
+                    buf[relative(p.rel, full_box(buf.shape)) + (...,)] = (
+                        data[p.offset:p.offset + p.nbytes].view(dtype).reshape(box_shape(p.rel)))
+            del y, x
+            with self._lock:
+                self._held -= sum(b.nbytes for b in bufs.values())
+            for k in [k for k, last in last_slab.items() if last == j]:
+                done[g.wants[k].index] = self._place(g, k, shards, local)
+        pool.close()
+        return done
+
+    def _place(self, g: _Group, k: int, shards: dict, local: list) -> jax.Array:
+        w = g.wants[k]
+        rec = self.leaves[w.index]
+        idx = w.sharding.addressable_devices_indices_map(tuple(rec.shape))
+        arrays = [jax.device_put(shards[(k, g.slot_of[d])], d) for d in idx]
+        arr = jax.make_array_from_single_device_arrays(tuple(rec.shape), w.sharding, arrays)
+        jax.block_until_ready(arr)
+        for s in {g.slot_of[d] for d in idx}:
+            del shards[(k, s)]
+        return arr
+
+    def _fill(self, g: _Group, j: int, slots: list) -> dict:
+        """Slab `j` of this process's slots: its reads in place, zeros elsewhere."""
+        bufs = {}
+        for s in slots:
+            buf = aligned_empty(g.slab_bytes)
+            buf[:] = 0
+            self._take(buf.nbytes)
+            bufs[s] = buf
+            reads = _my_reads(g, j, s, self.leaves, self.me)
+            by_leaf: dict[int, list] = {}
+            for p, box, part in reads:
+                by_leaf.setdefault(p.k, []).append((p, box, part))
+            plans = []
+            for k, items in by_leaf.items():
+                w, rec = g.wants[k], self.leaves[g.wants[k].index]
+                plans.append(plan_leaf_read(w.index, rec.shape, rec.chunk_shape, _dtypes.dtype_from_name(rec.dtype).itemsize,
+                                            [part for _, _, part in items]))
+            if not plans:
+                continue
+            reader = Reader(self.storage, self.leaves, self.verify, self.stats, self.options)
+            regions = reader.read(plans)
+            self._take(sum(a.nbytes for r in regions.values() for a in r.values()))
+            for k, items in by_leaf.items():
+                w, rec = g.wants[k], self.leaves[g.wants[k].index]
+                saved = _dtypes.dtype_from_name(rec.dtype)
+                for p, box, part in items:
+                    a = _dtypes.from_storage(regions[w.index][part], saved)
+                    if a.dtype != w.dtype:
+                        a = cast_values(a, w.dtype, display_path(rec.path), w.lossy_ok, held_note(w, saved))
+                    dtype = np.dtype(w.dtype)
+                    view = buf[p.offset:p.offset + p.nbytes].view(dtype).reshape(box_shape(box))
+                    view[relative(part, box) + (...,)] = a
+            with self._lock:
+                self._held -= sum(a.nbytes for r in regions.values() for a in r.values())
+            del regions
+        return bufs
+
+
+class _OneThread:
+    """One reading thread: the next slab is read while this one is exchanged."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn, *args) -> Future:
+        f: Future = Future()
+
+        def run():
+            try:
+                f.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 (handed to the waiting thread)
+                f.set_exception(e)
+
+        self._thread = threading.Thread(target=run, name="ckpt-share-read", daemon=True)
+        self._thread.start()
+        return f
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

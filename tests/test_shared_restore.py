@@ -1,0 +1,217 @@
+"""Restoring replicated state across processes (issue 24): each unique byte read once in total,
+split among the processes that hold it, the pieces exchanged over collectives.
+
+Real processes under jax.distributed on 127.0.0.1 (multiproc.py). Each job saves a small tree
+(a few MiB, many chunks), then restores it with sharing forced on and off, counting the bytes
+every process reads from storage through a counting wrapper around the engine, and compares
+every shard of every process with the saved values. Layouts: pure data parallel (a 1-D mesh,
+every leaf replicated on every device) and FSDP inside a process x replicas across processes
+(a (replica, fsdp) mesh). A last job kills or stops one process in the middle of a shared
+restore: the others must name it within CKPT_TIMEOUT_S + 5 s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import ckpt
+from ckpt.storage import WrapperStorage, open_storage
+from multihost_data import bad_shards, build, values
+from multiproc import Worker, assert_all_succeeded, launch
+
+HERE = os.path.abspath(__file__)
+CHUNK = 64 << 10  # many chunks per leaf, so that eight processes each get a fair share
+
+# (shape, dtype, spec on a (replica, fsdp) mesh); on the 1-D mesh every leaf is replicated.
+ARRAYS = {
+    "w": ((512, 512), np.float32, P("fsdp", None)),
+    "v": ((256, 1024), jax.numpy.bfloat16, P(None, "fsdp")),
+    "i": ((64, 1024), np.int32, P("fsdp")),
+    "b": ((3000,), np.float32, P()),  # replicated on every device in both layouts
+}
+UNIQUE = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d, _ in ARRAYS.values())
+
+
+# ---- code run inside the processes -----------------------------------------------------------
+
+
+class Counting(WrapperStorage):
+    """Counts the chunk bytes and requests this process reads from storage."""
+
+    counts = {"bytes": 0, "reads": 0}
+    lock = threading.Lock()
+
+    def _count(self, nbytes: int) -> None:
+        with self.lock:
+            self.counts["bytes"] += nbytes
+            self.counts["reads"] += 1
+
+    def read_chunk(self, path, index, nbytes, into=None):
+        self._count(nbytes)
+        return super().read_chunk(path, index, nbytes, into)
+
+    def read_chunk_async(self, path, index, nbytes, executor, into=None):
+        self._count(nbytes)
+        return super().read_chunk_async(path, index, nbytes, executor, into)
+
+    @classmethod
+    def take(cls) -> dict:
+        with cls.lock:
+            out = dict(cls.counts)
+            cls.counts.update(bytes=0, reads=0)
+        return out
+
+
+def counting(location: str, options: ckpt.Options):
+    return Counting(open_storage(location, dataclasses.replace(options, engine=None)))
+
+
+def _layout(w: Worker, kind: str):
+    devices = np.array(jax.devices())
+    if kind == "dp":
+        mesh = Mesh(devices, ("data",))
+        return mesh, {k: (s, d, P()) for k, (s, d, _) in ARRAYS.items()}
+    mesh = Mesh(devices.reshape(w.count, -1), ("replica", "fsdp"))
+    return mesh, ARRAYS
+
+
+def _location(w: Worker) -> str:
+    return w.args["dir"] if "dir" in w.args else f"s3://{w.args['bucket']}/shared"
+
+
+def run_shared_job(w: Worker) -> None:
+    where = _location(w)
+    for kind in w.args["layouts"]:
+        mesh, arrays = _layout(w, kind)
+        path = f"{where}/{kind}"
+        ckpt.save(path, build(arrays, mesh, seed=3), options=ckpt.Options(max_chunk_bytes=CHUNK, pack_limit_bytes=0))
+        shardings = {k: NamedSharding(mesh, spec) for k, (_, _, spec) in arrays.items()}
+        targets = {  # a target of each kind: shardings, ShapeDtypeStructs, mesh=
+            "sharding": dict(target=shardings),
+            "struct": dict(target={k: jax.ShapeDtypeStruct(s, d, sharding=shardings[k])
+                                   for k, (s, d, _) in arrays.items()}),
+            "mesh": dict(mesh=mesh),
+        }
+        for mode in w.args["modes"]:
+            given = targets[w.args.get("target", "sharding")] if mode != "on" else targets[
+                {"dp": "struct", "fsdp": "mesh"}.get(kind, "sharding")]
+            Counting.take()
+            start = time.monotonic()
+            tree = ckpt.restore(path, options=ckpt.Options(engine=counting, share_replicas=mode), **given)
+            seconds = time.monotonic() - start
+            bad, n = bad_shards(tree, arrays, shardings, seed=3)
+            held = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d, _ in arrays.values())
+            w.report(check=f"{kind}-{mode}", bad=bad, shards=n, held=held, seconds=seconds, **Counting.take())
+
+
+def run_fault_job(w: Worker) -> None:
+    """Process `victim` is killed (or stopped) once it has read its part of the second slab."""
+    mesh, arrays = _layout(w, "dp")
+    path = f"{w.args['dir']}/x"
+    ckpt.save(path, build(arrays, mesh), options=ckpt.Options(max_chunk_bytes=CHUNK, pack_limit_bytes=0))
+    from jax._src.distributed import global_state
+
+    global_state.client.key_value_set(f"test/pid/{w.index}", str(os.getpid()))
+    victim, how = w.args["victim"], w.args["how"]
+    w.survivors = [p for p in range(w.count) if p != victim]
+    reads = {"n": 0}
+
+    def engine(location, options):
+        class Fault(Counting):
+            def read_chunk(self, path, index, nbytes, into=None):
+                reads["n"] += 1
+                if w.index == victim and reads["n"] == w.args["at_read"]:
+                    os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+                return super().read_chunk(path, index, nbytes, into)
+
+            read_chunk_async = None  # every read through read_chunk
+
+        return Fault(open_storage(location, dataclasses.replace(options, engine="local")))
+
+    # Slabs of 1 MiB: the fault lands in the middle of the restore, with exchanges before and after.
+    options = ckpt.Options(engine=engine, share_replicas=True, host_budget_bytes=1 << 20)
+    start = time.monotonic()
+    try:
+        ckpt.restore(path, mesh=mesh, options=options)
+        w.report(check="fault", raised=None)
+        return
+    except ckpt.CheckpointError as e:
+        elapsed, message = time.monotonic() - start, str(e)
+    w.report(check="fault", raised=message, seconds=elapsed)
+    if how == "stop" and w.index == w.survivors[0]:  # the stopped process is this job's to end
+        pid = int(global_state.client.blocking_key_value_get(f"test/pid/{victim}", 5000))
+        os.kill(pid, signal.SIGKILL)
+
+
+# ---- the tests -------------------------------------------------------------------------------
+
+
+def _check(results, processes: int, kind: str, modes) -> None:
+    assert_all_succeeded(results)
+    for mode in modes:
+        recs = [r.one(f"{kind}-{mode}") for r in results]
+        for rec in recs:
+            assert rec["bad"] == [] and rec["shards"] > 0, rec
+        total = sum(rec["bytes"] for rec in recs)
+        if mode in ("on", "auto") and (mode == "on" or processes >= 4):
+            assert total <= 1.05 * UNIQUE, (mode, total, UNIQUE, recs)
+            for rec in recs:  # byte-balanced: no process reads much more than its share
+                assert rec["bytes"] <= 1.5 * rec["held"] / processes, (mode, rec, processes)
+        else:  # not shared: every process reads its own replica
+            assert total == processes * UNIQUE, (mode, total, recs)
+
+
+@pytest.mark.parametrize("processes, devices, layouts, modes", [
+    (2, 2, ["dp", "fsdp"], ["on", "auto"]),  # auto at 2 replicas: not shared (the default threshold is 4)
+    (4, 2, ["dp", "fsdp"], ["auto", "off"]),
+    (8, 1, ["dp"], ["auto"]),
+])
+def test_replicated_restore_reads_each_byte_once(tmp_path, processes, devices, layouts, modes):
+    results = launch(f"{HERE}:run_shared_job", processes=processes, devices_per_process=devices,
+                     args={"dir": str(tmp_path), "layouts": layouts, "modes": modes},
+                     env={"CKPT_TIMEOUT_S": "20"}, timeout_s=150, heartbeat_timeout_s=30)
+    for kind in layouts:
+        _check(results, processes, kind, modes)
+
+
+@pytest.fixture(scope="module")
+def seaweed(tmp_path_factory):
+    from servers import SeaweedFS
+
+    server = SeaweedFS(str(tmp_path_factory.mktemp("seaweedfs")))
+    server.start()
+    server.make_bucket("shared")
+    yield server
+    server.stop()
+
+
+def test_replicated_restore_on_seaweedfs(seaweed):
+    before = seaweed.request_counts().get("GET", 0)
+    results = launch(f"{HERE}:run_shared_job", processes=4, devices_per_process=2,
+                     args={"bucket": "shared", "layouts": ["fsdp"], "modes": ["auto"]},
+                     env={"CKPT_TIMEOUT_S": "20", **seaweed.env()}, timeout_s=150, heartbeat_timeout_s=30)
+    _check(results, 4, "fsdp", ["auto"])
+    assert seaweed.request_counts().get("GET", 0) > before
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_process_killed_or_stopped_mid_restore_is_named(tmp_path, how):
+    timeout_s = 4
+    results = launch(f"{HERE}:run_fault_job", processes=4, devices_per_process=1,
+                     args={"dir": str(tmp_path), "victim": 2, "how": how, "at_read": 20},
+                     env={"CKPT_TIMEOUT_S": str(timeout_s)}, timeout_s=90, heartbeat_timeout_s=30)
+    assert results[2].returncode == -signal.SIGKILL, results[2].describe()
+    for r in results[:2] + results[3:]:
+        assert r.returncode == 0, r.describe()
+        rec = r.one("fault")
+        assert rec["raised"] and "process(es) [2]" in rec["raised"], rec
+        assert rec["seconds"] < timeout_s + 5, rec
