@@ -162,14 +162,24 @@ class DistributedCoordinator:
         timeout = coordination_timeout()
         start = time.monotonic()
         others = [p for p in range(self.process_count) if p != self.process_index]
+        now = start
         seen = {p: None for p in others}
         last = {p: start for p in others}
         pause = 0.0005
-        while not done():
+        failed: Exception | None = None  # the collective failed (a peer's connection closed, say)
+        while True:
+            if failed is None:
+                try:
+                    if done():
+                        return
+                except Exception as e:  # noqa: BLE001 (reported naming the peer that went away)
+                    failed, pause = e, 0.05
+            elif now - start > 2 * timeout:
+                raise CheckpointError(f"{self._phase(key)} failed on process {self.process_index}: {failed}")
             time.sleep(pause)
             pause = min(0.05, 2 * pause)
             now = time.monotonic()
-            if now - start < min(1.0, timeout / 5) or pause < 0.05:
+            if failed is None and (now - start < min(1.0, timeout / 5) or pause < 0.05):
                 continue
             try:
                 life = dict(self._client.key_value_dir_get(f"{NAMESPACE}/alive/"))
