@@ -21,8 +21,8 @@ axes are its replicas), and a slot's bytes are read once in total:
    While the collective runs, peers are watched: one silent for ``CKPT_TIMEOUT_S`` is named.
 4. Each leaf's shards are placed once its last slab is exchanged.
 
-Leaves that cannot share (numpy targets, custom device layouts, PRNG keys, data stored inline or
-in a stack, shardings other than ``NamedSharding``, fewer replicas across processes than asked)
+Leaves that cannot share (numpy targets, custom device layouts, PRNG keys, data stored inline in
+the manifest, shardings other than ``NamedSharding``, fewer replicas across processes than asked)
 are read by the ordinary reader, as they are without this module.
 """
 
@@ -43,7 +43,7 @@ from ckpt._distributed import distributed_coordinator
 from ckpt._errors import CheckpointError
 from ckpt._format import PRNG_KEY, LeafRecord, display_path
 from ckpt._format import dtypes as _dtypes
-from ckpt._geometry import Box, box_shape, box_size, chunk_box, chunks_overlapping, full_box, index_to_box, intersect, relative
+from ckpt._geometry import Box, box_shape, box_size, full_box, index_to_box, intersect, relative
 from ckpt._memory import aligned_empty
 from ckpt._options import SHARE_MIN_REPLICAS, Options
 from ckpt._restore.place import _zeros_on
@@ -102,7 +102,7 @@ def _group_key(want: _Want, rec: LeafRecord, least: int) -> tuple | None:
     """(mesh, sharded axes) of a leaf that can be shared, else None."""
     s = want.sharding
     if (not isinstance(s, NamedSharding) or want.layout is not None or rec.kind == PRNG_KEY
-            or rec.zarr is None or math.prod(rec.shape) == 0 or isinstance(s.mesh, jax.sharding.AbstractMesh)):
+            or (rec.zarr is None and rec.stacked is None) or math.prod(rec.shape) == 0 or isinstance(s.mesh, jax.sharding.AbstractMesh)):
         return None
     used = _axes(s.spec)
     sharded = tuple(a for a in s.mesh.axis_names if a in used)
@@ -195,28 +195,40 @@ def _box_in(want: _Want, rec: LeafRecord, group: _Group, slot) -> Box:
     return index_to_box(want.sharding.devices_indices_map(tuple(rec.shape))[device], rec.shape)
 
 
-def _my_reads(group: _Group, j: int, slot, leaves: list[LeafRecord], me: int) -> list[tuple[_Piece, Box, Box]]:
-    """(piece, its box in the leaf, the part of it this process reads) for slab `j` and `slot`:
-    the chunks under the slab's pieces split byte-balanced among the slot's processes, the
-    first share going to a different process slab by slab."""
-    items = []
-    for p in group.slabs[j]:
-        w = group.wants[p.k]
-        rec = leaves[w.index]
-        shard = _box_in(w, rec, group, slot)
-        box = tuple((o + a, o + b) for (o, _), (a, b) in zip(shard, p.rel))
-        itemsize = np.dtype(w.dtype).itemsize
-        for c in chunks_overlapping(box, rec.chunk_shape):
-            part = intersect(chunk_box(c, rec.chunk_shape, rec.shape), box)
-            items.append((p, box, part, box_size(part) * itemsize))
-    holders = group.holders[slot]
-    total = sum(n for *_, n in items) or 1
-    mine, done = [], 0
-    for p, box, part, n in items:
-        share = min(len(holders) - 1, (2 * done + n) * len(holders) // (2 * total))
-        if holders[(share + j) % len(holders)] == me:
-            mine.append((p, box, part))
-        done += n
+def _my_reads(group: _Group, j: int, leaves: list[LeafRecord], me: int, planner: Reader
+              ) -> list[tuple[Any, _Piece, Box, Box]]:
+    """(slot, piece, its box in the leaf, the part of it this process reads) for slab `j`: the
+    sources under the slab's pieces (chunks; a stack's chunk with all its members there) split
+    byte-balanced among the processes holding those slots, the first share going to a
+    different process slab by slab. Slots held by the same processes are split together, so
+    that a source several of them need (a stack chunk) is one process's, read once.
+    `planner` names the sources as the reader does."""
+    classes: dict[tuple, list] = {}
+    for slot, holders in sorted(group.holders.items()):
+        if me in holders:
+            classes.setdefault(tuple(holders), []).append(slot)
+    mine = []
+    for holders, slots in classes.items():
+        sources: dict[tuple, list] = {}
+        for slot in slots:
+            for p in group.slabs[j]:
+                w = group.wants[p.k]
+                rec = leaves[w.index]
+                shard = _box_in(w, rec, group, slot)
+                box = tuple((o + a, o + b) for (o, _), (a, b) in zip(shard, p.rel))
+                itemsize = np.dtype(w.dtype).itemsize
+                for src in planner._pieces(p.k, rec, box):
+                    part = intersect(src.box, box)
+                    if part is not None:
+                        sources.setdefault(src.key, []).append((slot, p, box, part, box_size(part) * itemsize))
+        total = sum(x[4] for items in sources.values() for x in items) or 1
+        done = 0
+        for items in sources.values():
+            n = sum(x[4] for x in items)
+            share = min(len(holders) - 1, (2 * done + n) * len(holders) // (2 * total))
+            if holders[(share + j) % len(holders)] == me:
+                mine += [x[:4] for x in items]
+            done += n
     return mine
 
 
@@ -238,6 +250,8 @@ class SharedRestore:
         self.groups, self.storage, self.leaves = groups, storage, leaves
         self.verify, self.stats, self.options = verify, stats, options
         self.me = jax.process_index()
+        self.planner = Reader(None, leaves, False, RestoreStats(), options)  # names sources only
+        self.planner.wants, self.planner._sources = [], {}
         self.high_water = 0
         self._held = 0
         self._lock = threading.Lock()
@@ -348,40 +362,39 @@ class SharedRestore:
         return arr
 
     def _fill(self, g: _Group, j: int, slots: list) -> dict:
-        """Slab `j` of this process's slots: its reads in place, zeros elsewhere."""
+        """Slab `j` of this process's slots: its reads in place, zeros elsewhere (one read of
+        each source for all the slots that need it)."""
         bufs = {}
         for s in slots:
-            buf = aligned_empty(g.slab_bytes)
-            buf[:] = 0
-            self._take(buf.nbytes)
-            bufs[s] = buf
-            reads = _my_reads(g, j, s, self.leaves, self.me)
-            by_leaf: dict[int, list] = {}
-            for p, box, part in reads:
-                by_leaf.setdefault(p.k, []).append((p, box, part))
-            plans = []
-            for k, items in by_leaf.items():
-                w, rec = g.wants[k], self.leaves[g.wants[k].index]
-                plans.append(plan_leaf_read(w.index, rec.shape, rec.chunk_shape, _dtypes.dtype_from_name(rec.dtype).itemsize,
-                                            [part for _, _, part in items]))
-            if not plans:
-                continue
-            reader = Reader(self.storage, self.leaves, self.verify, self.stats, self.options)
-            regions = reader.read(plans)
-            self._take(sum(a.nbytes for r in regions.values() for a in r.values()))
-            for k, items in by_leaf.items():
-                w, rec = g.wants[k], self.leaves[g.wants[k].index]
-                saved = _dtypes.dtype_from_name(rec.dtype)
-                for p, box, part in items:
-                    a = _dtypes.from_storage(regions[w.index][part], saved)
-                    if a.dtype != w.dtype:
-                        a = cast_values(a, w.dtype, display_path(rec.path), w.lossy_ok, held_note(w, saved))
-                    dtype = np.dtype(w.dtype)
-                    view = buf[p.offset:p.offset + p.nbytes].view(dtype).reshape(box_shape(box))
-                    view[relative(part, box) + (...,)] = a
-            with self._lock:
-                self._held -= sum(a.nbytes for r in regions.values() for a in r.values())
-            del regions
+            bufs[s] = aligned_empty(g.slab_bytes)
+            bufs[s][:] = 0
+            self._take(g.slab_bytes)
+        by_leaf: dict[int, list] = {}
+        for slot, p, box, part in _my_reads(g, j, self.leaves, self.me, self.planner):
+            by_leaf.setdefault(p.k, []).append((slot, p, box, part))
+        plans = []
+        for k, items in by_leaf.items():
+            w, rec = g.wants[k], self.leaves[g.wants[k].index]
+            plans.append(plan_leaf_read(w.index, rec.shape, rec.chunk_shape, _dtypes.dtype_from_name(rec.dtype).itemsize,
+                                        [part for *_, part in items]))
+        if not plans:
+            return bufs
+        reader = Reader(self.storage, self.leaves, self.verify, self.stats, self.options)
+        regions = reader.read(plans)
+        held = sum(a.nbytes for r in regions.values() for a in r.values())
+        self._take(held)
+        for k, items in by_leaf.items():
+            w, rec = g.wants[k], self.leaves[g.wants[k].index]
+            saved = _dtypes.dtype_from_name(rec.dtype)
+            dtype = np.dtype(w.dtype)
+            for slot, p, box, part in items:
+                a = _dtypes.from_storage(regions[w.index][part], saved)
+                if a.dtype != dtype:
+                    a = cast_values(a, dtype, display_path(rec.path), w.lossy_ok, held_note(w, saved))
+                view = bufs[slot][p.offset:p.offset + p.nbytes].view(dtype).reshape(box_shape(box))
+                view[relative(part, box) + (...,)] = a
+        with self._lock:
+            self._held -= held
         return bufs
 
 
