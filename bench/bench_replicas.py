@@ -2,7 +2,8 @@
 "Replicated state"; issue 24).
 
     python -m bench.bench_replicas [--processes 2,4,8] [--mib 64] [--chunk-mib 1] [--devices 2]
-                                   [--seaweedfs | --url s3://bucket/prefix | --dir /tmp/x] [--json]
+                                   [--budget-mib N] [--runs N]
+                                   [--seaweedfs | --url s3://bucket/prefix] [--dir /tmp/x] [--json]
 
 For each process count N: N real processes under jax.distributed on 127.0.0.1 (tests/multiproc.py),
 each with --devices CPU devices, on a (replica=N, fsdp=devices) mesh: FSDP inside a process,
@@ -126,8 +127,11 @@ def job(w) -> None:
     def engine(location, options):
         return Counting(open_storage(location, dataclasses.replace(options, engine=None)))
 
+    budget = int(a["budget_mib"] * (1 << 20)) if a["budget_mib"] else None
+
     def ckpt_restore(place, share):
-        return lambda: ckpt.restore(f"{place}/ckpt", target, options=ckpt.Options(engine=engine, share_replicas=share))
+        return lambda: ckpt.restore(f"{place}/ckpt", target, options=ckpt.Options(
+            engine=engine, share_replicas=share, host_budget_bytes=budget))
 
     def orbax_single_replica():
         handler = ocp.type_handlers.SingleReplicaArrayHandler(replica_axis_index=0, broadcast_memory_limit_bytes=1 << 30)
@@ -171,6 +175,7 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-mib", type=float, default=1)
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--budget-mib", type=float, default=0, help="ckpt's host budget (default: its own default)")
     p.add_argument("--seaweedfs", action="store_true", help="start a local SeaweedFS (tests/servers.py)")
     p.add_argument("--url", help="an s3:// prefix (AWS_* variables set)")
     p.add_argument("--dir", help="a local directory (Orbax and the disk runs; default a temporary one)")
@@ -193,7 +198,7 @@ def main(argv=None) -> int:
         for n in [int(x) for x in args.processes.split(",")]:
             results = launch(f"{os.path.abspath(__file__)}:job", processes=n, devices_per_process=args.devices,
                              args={"where": f"{where}/p{n}", "disk": f"{disk}/p{n}", "mib": args.mib, "chunk_mib": args.chunk_mib,
-                                   "runs": args.runs, "metrics": metrics},
+                                   "runs": args.runs, "metrics": metrics, "budget_mib": args.budget_mib},
                              env={"CKPT_TIMEOUT_S": "60", **env}, timeout_s=1800, heartbeat_timeout_s=100)
             assert_all_succeeded(results)
             by = {}

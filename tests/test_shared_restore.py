@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
 from ckpt.storage import WrapperStorage, open_storage
-from multihost_data import bad_shards, build, values
+from multihost_data import bad_shards, build
 from multiproc import Worker, assert_all_succeeded, launch
 
 HERE = os.path.abspath(__file__)
@@ -207,3 +207,37 @@ def test_a_process_killed_or_stopped_mid_restore_is_named(tmp_path, how):
         rec = r.one("fault")
         assert rec["raised"] and re.search(r"process\(es\) \[(\d+, )*2[],]", rec["raised"]), rec
         assert rec["seconds"] < timeout_s + 5, rec
+
+
+# ---- in this process ---------------------------------------------------------------------------
+
+
+def test_share_replicas_setting(monkeypatch):
+    monkeypatch.delenv("CKPT_SHARE_REPLICAS", raising=False)
+    assert ckpt.Options().resolved().share_replicas == "auto"
+    assert ckpt.Options(share_replicas=True).resolved().share_replicas == "on"
+    assert ckpt.Options(share_replicas=False).resolved().share_replicas == "off"
+    for text, mode in [("1", "on"), ("off", "off"), ("AUTO", "auto"), ("0", "off")]:
+        monkeypatch.setenv("CKPT_SHARE_REPLICAS", text)
+        assert ckpt.Options().resolved().share_replicas == mode
+    monkeypatch.setenv("CKPT_SHARE_REPLICAS", "sometimes")
+    with pytest.raises(ValueError, match="CKPT_SHARE_REPLICAS"):
+        ckpt.Options().resolved()
+    with pytest.raises(ValueError, match="share_replicas"):
+        ckpt.Options(share_replicas="yes").resolved()
+
+
+def test_one_process_restores_as_before_with_sharing_forced_on(tmp_path):
+    """No replicas across processes: the same restore, the same bytes read."""
+    from ckpt._restore import restore_with_stats
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("replica", "fsdp"))
+    ckpt.save(tmp_path / "x", build(ARRAYS, mesh), options=ckpt.Options(max_chunk_bytes=CHUNK, pack_limit_bytes=0))
+    shardings = {k: NamedSharding(mesh, spec) for k, (_, _, spec) in ARRAYS.items()}
+    got = {}
+    for mode in (True, False):
+        tree, stats = restore_with_stats(tmp_path / "x", shardings, options=ckpt.Options(share_replicas=mode))
+        bad, n = bad_shards(tree, ARRAYS, shardings)
+        assert bad == [] and n == 8 * len(ARRAYS)
+        got[mode] = (stats.bytes_read, stats.chunks_read)
+    assert got[True] == got[False] and got[True][0] == UNIQUE

@@ -28,6 +28,7 @@ are read by the ordinary reader, as they are without this module.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import threading
@@ -233,11 +234,17 @@ def _my_reads(group: _Group, j: int, leaves: list[LeafRecord], me: int, planner:
 
 
 def _exchange_fn(group: _Group):
-    spec = PartitionSpec(group.sharded) if group.sharded else PartitionSpec()
-    body = jax.shard_map(lambda x: jax.lax.psum(x, group.replicated), mesh=group.mesh, in_specs=spec,
-                         out_specs=spec)
-    n = math.prod(group.mesh.shape[a] for a in group.sharded) * group.slab_bytes // _WORD.itemsize
-    sharding = NamedSharding(group.mesh, spec)
+    return _compiled_exchange(group.mesh, group.sharded, group.replicated, group.slab_bytes)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_exchange(mesh, sharded: tuple[str, ...], replicated: tuple[str, ...], slab_bytes: int):
+    """(the compiled psum of one slab over the replica axes, its input sharding, its length in
+    words): compiled once per mesh and slab size, so a job's later restores compile nothing."""
+    spec = PartitionSpec(sharded) if sharded else PartitionSpec()
+    body = jax.shard_map(lambda x: jax.lax.psum(x, replicated), mesh=mesh, in_specs=spec, out_specs=spec)
+    n = math.prod(mesh.shape[a] for a in sharded) * slab_bytes // _WORD.itemsize
+    sharding = NamedSharding(mesh, spec)
     compiled = jax.jit(body, donate_argnums=0).lower(jax.ShapeDtypeStruct((n,), _WORD, sharding=sharding)).compile()
     return compiled, sharding, n
 
