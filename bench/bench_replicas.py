@@ -14,9 +14,12 @@ side by side in the same run:
 - ckpt shared: each unique byte read once, split among the replicas, exchanged by a psum over
   the replica axis (``share_replicas=True``);
 - Orbax's ``SingleReplicaArrayHandler``: replica 0 reads, the others receive a broadcast.
-Reported per system: bytes the job read from storage (the server's own counter of bytes sent,
-and for ckpt the counting wrapper's), requests (the server's GET count), the time of the slowest
-process, and the largest peak RSS growth of any process during the restore (sampled every 5 ms).
+Reported per system: bytes the job read from storage (on SeaweedFS the server's own counter of
+bytes sent; for ckpt also a counting storage wrapper's, in total and for the busiest process;
+Orbax's reads on disk go through TensorStore's file driver, which no per-process counter here
+sees: n/a), requests (the server's GET count), the time of the slowest process, the largest peak
+RSS growth of any process during the restore (sampled every 5 ms; with --fresh in processes that
+did nothing else), and ckpt's own count of the host memory it held at most (``held``).
 """
 
 from __future__ import annotations
@@ -75,12 +78,6 @@ def _server_counts(metrics_url: str | None) -> tuple[int, int]:
     return gets, sent
 
 
-def _rchar() -> int:
-    """Bytes this process read through system calls (local disk reads, for Orbax)."""
-    with open("/proc/self/io") as f:
-        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
-
-
 def job(w) -> None:
     """Run in each process (multiproc.launch)."""
     import jax
@@ -103,12 +100,13 @@ def job(w) -> None:
     where, disk = a["where"], a["disk"]
     chunking = ckpt.Options(max_chunk_bytes=int(a["chunk_mib"] * (1 << 20)))
     places = [where] if where == disk else [where, disk]
-    for place in places:
-        ckpt.save(f"{place}/ckpt", tree, options=chunking, overwrite=True)
     # Orbax takes no s3:// path (epath makes it "s3:/..."; orbax#359): on local disk, beside
     # ckpt on the same disk.
     orbax_where = f"{disk}/orbax"
-    ocp.PyTreeCheckpointer().save(orbax_where, tree, force=True)
+    if a["save"]:
+        for place in places:
+            ckpt.save(f"{place}/ckpt", tree, options=chunking, overwrite=True)
+        ocp.PyTreeCheckpointer().save(orbax_where, tree, force=True)
     del tree
 
     counts = {"bytes": 0, "reads": 0}
@@ -129,9 +127,17 @@ def job(w) -> None:
 
     budget = int(a["budget_mib"] * (1 << 20)) if a["budget_mib"] else None
 
+    held = {"high_water": 0}
+
     def ckpt_restore(place, share):
-        return lambda: ckpt.restore(f"{place}/ckpt", target, options=ckpt.Options(
-            engine=engine, share_replicas=share, host_budget_bytes=budget))
+        def run():
+            from ckpt._restore import restore_with_stats
+
+            out, stats = restore_with_stats(f"{place}/ckpt", target, options=ckpt.Options(
+                engine=engine, share_replicas=share, host_budget_bytes=budget))
+            held["high_water"] = stats.host_high_water
+            return out
+        return run
 
     def orbax_single_replica():
         handler = ocp.type_handlers.SingleReplicaArrayHandler(replica_axis_index=0, broadcast_memory_limit_bytes=1 << 30)
@@ -146,26 +152,31 @@ def job(w) -> None:
         systems[f"ckpt today, {tag}"] = ckpt_restore(place, False)
         systems[f"ckpt shared, {tag}"] = ckpt_restore(place, True)
     systems["orbax 1-replica, disk"] = orbax_single_replica
+    if a["systems"] is not None:
+        systems = {k: v for k, v in systems.items() if k in a["systems"]}
     for run in range(a["runs"]):
         for name, fn in systems.items():
+            held["high_water"] = 0
             w.barrier(f"{name}-{run}-before")
             before = _server_counts(a["metrics"]) if w.index == 0 else (0, 0)
             counts.update(bytes=0, reads=0)
-            io_before = _rchar()
             with _Peak() as peak:
                 start = time.monotonic()
                 out = fn()
                 jax.block_until_ready(out)
                 seconds = time.monotonic() - start
-            rchar = _rchar() - io_before
             ok = all(np.all(np.asarray(s.data) == i + 0.5) for i, k in enumerate(sorted(out, key=lambda k: int(k[5:])))
                      for s in out[k].addressable_shards)
             del out
             w.barrier(f"{name}-{run}-after")
             after = _server_counts(a["metrics"]) if w.index == 0 else (0, 0)
             w.report(system=name, run=run, seconds=seconds, rss=peak.growth, ok=bool(ok), unique=unique,
-                     bytes=counts["bytes"] or rchar, reads=counts["reads"], server_gets=after[0] - before[0],
-                     server_bytes=after[1] - before[1])
+                     bytes=counts["bytes"] if name.startswith("ckpt") else None, reads=counts["reads"], server_gets=after[0] - before[0],
+                     server_bytes=after[1] - before[1], high_water=held["high_water"])
+
+
+def _mib(x) -> str:
+    return "n/a" if x is None else f"{x:.1f}"
 
 
 def main(argv=None) -> int:
@@ -179,6 +190,7 @@ def main(argv=None) -> int:
     p.add_argument("--seaweedfs", action="store_true", help="start a local SeaweedFS (tests/servers.py)")
     p.add_argument("--url", help="an s3:// prefix (AWS_* variables set)")
     p.add_argument("--dir", help="a local directory (Orbax and the disk runs; default a temporary one)")
+    p.add_argument("--fresh", action="store_true", help="each system's restore in fresh processes (clean RSS)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     from multiproc import assert_all_succeeded, launch
@@ -194,27 +206,34 @@ def main(argv=None) -> int:
         where = args.url or args.dir or tempfile.mkdtemp(prefix="ckpt-bench-replicas-")
     disk = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-replicas-disk-")
     rows = []
+    names = ["ckpt today, s3", "ckpt shared, s3", "ckpt today, disk", "ckpt shared, disk", "orbax 1-replica, disk"]
     try:
         for n in [int(x) for x in args.processes.split(",")]:
-            results = launch(f"{os.path.abspath(__file__)}:job", processes=n, devices_per_process=args.devices,
-                             args={"where": f"{where}/p{n}", "disk": f"{disk}/p{n}", "mib": args.mib, "chunk_mib": args.chunk_mib,
-                                   "runs": args.runs, "metrics": metrics, "budget_mib": args.budget_mib},
-                             env={"CKPT_TIMEOUT_S": "60", **env}, timeout_s=1800, heartbeat_timeout_s=100)
-            assert_all_succeeded(results)
+            # --fresh: one job saves, then each system restores in a job of its own (fresh
+            # processes, so that the RSS sampled is that restore's alone).
+            jobs = [(True, None)] if not args.fresh else [(True, [])] + [(False, [s]) for s in names]
             by = {}
-            for r in results:
-                for rec in r.records:
-                    by.setdefault((rec["system"], rec["run"]), []).append(rec)
+            for save, systems in jobs:
+                results = launch(f"{os.path.abspath(__file__)}:job", processes=n, devices_per_process=args.devices,
+                                 args={"where": f"{where}/p{n}", "disk": f"{disk}/p{n}", "mib": args.mib,
+                                       "chunk_mib": args.chunk_mib, "runs": args.runs, "metrics": metrics,
+                                       "budget_mib": args.budget_mib, "save": save, "systems": systems},
+                                 env={"CKPT_TIMEOUT_S": "60", **env}, timeout_s=1800, heartbeat_timeout_s=100)
+                assert_all_succeeded(results)
+                for r in results:
+                    for rec in r.records:
+                        by.setdefault((rec["system"], rec["run"]), []).append(rec)
             for (system, run), recs in sorted(by.items(), key=lambda kv: kv[0][1]):
                 rows.append({
                     "processes": n, "system": system, "run": run, "ok": all(x["ok"] for x in recs),
                     "unique_mib": recs[0]["unique"] / 2**20,
                     "server_mib": sum(x["server_bytes"] for x in recs) / 2**20,
-                    "counted_mib": sum(x["bytes"] for x in recs) / 2**20,
-                    "max_process_mib": max(x["bytes"] for x in recs) / 2**20,
+                    "counted_mib": None if recs[0]["bytes"] is None else sum(x["bytes"] for x in recs) / 2**20,
+                    "max_process_mib": None if recs[0]["bytes"] is None else max(x["bytes"] for x in recs) / 2**20,
                     "server_gets": sum(x["server_gets"] for x in recs),
                     "seconds": max(x["seconds"] for x in recs),
                     "peak_rss_growth_mib": max(x["rss"] for x in recs) / 2**20,
+                    "ckpt_high_water_mib": max(x["high_water"] for x in recs) / 2**20,
                 })
     finally:
         if server is not None:
@@ -223,11 +242,11 @@ def main(argv=None) -> int:
         print(json.dumps(rows, indent=1))
     else:
         print(f"{'N':>2} {'system':<22} {'unique':>7} {'server':>8} {'counted':>8} {'max/proc':>8} {'GETs':>5} "
-              f"{'time s':>7} {'RSS+':>6}  (MiB)")
+              f"{'time s':>7} {'RSS+':>6} {'held':>5}  (MiB; budget {args.budget_mib or 'default'})")
         for r in rows:
             print(f"{r['processes']:>2} {r['system']:<22} {r['unique_mib']:>7.1f} {r['server_mib']:>8.1f} "
-                  f"{r['counted_mib']:>8.1f} {r['max_process_mib']:>8.1f} {r['server_gets']:>5} {r['seconds']:>7.2f} "
-                  f"{r['peak_rss_growth_mib']:>6.0f}{'' if r['ok'] else '  VALUES WRONG'}")
+                  f"{_mib(r['counted_mib']):>8} {_mib(r['max_process_mib']):>8} {r['server_gets']:>5} {r['seconds']:>7.2f} "
+                  f"{r['peak_rss_growth_mib']:>6.0f} {r['ckpt_high_water_mib']:>5.0f}{'' if r['ok'] else '  VALUES WRONG'}")
     return 0
 
 

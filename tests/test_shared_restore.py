@@ -108,6 +108,25 @@ def run_shared_job(w: Worker) -> None:
                 bad, n = bad_shards(tree, arrays, shardings, seed=3)
                 held = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d, _ in arrays.values())
                 w.report(check=f"{store}-{kind}-{mode}", bad=bad, shards=n, held=held, seconds=seconds, **Counting.take())
+    if w.args.get("read_error"):  # a read fails on process 1 only: raised on every process, naming it
+        mesh, arrays = _layout(w, "dp")
+        path = f"{w.args['where'][0]}/dp"
+
+        def failing(location, options):
+            class Failing(Counting):
+                def read_chunk_async(self, path, index, nbytes, executor, into=None):
+                    raise OSError(5, "Input/output error (injected)")
+
+                read_chunk = read_chunk_async
+
+            return Failing(open_storage(location, dataclasses.replace(options, engine=None)))
+
+        try:
+            ckpt.restore(path, mesh=mesh, options=ckpt.Options(engine=failing if w.index == 1 else counting,
+                                                               share_replicas=True))
+            w.report(check="read-error", raised=None)
+        except ckpt.CheckpointError as e:
+            w.report(check="read-error", raised=str(e))
 
 
 def run_fault_job(w: Worker) -> None:
@@ -187,12 +206,17 @@ def test_replicated_restore_reads_each_byte_once(tmp_path, seaweed, processes, d
     """On local disk and on SeaweedFS, in one job per process count (start-up is most of it)."""
     gets = seaweed.request_counts().get("GET", 0)
     results = launch(f"{HERE}:run_shared_job", processes=processes, devices_per_process=devices,
-                     args={"where": [str(tmp_path), f"s3://shared/{processes}"], "layouts": layouts, "modes": modes},
+                     args={"where": [str(tmp_path), f"s3://shared/{processes}"], "layouts": layouts, "modes": modes,
+                           "read_error": processes == 2},
                      env={"CKPT_TIMEOUT_S": "20", **seaweed.env()}, timeout_s=150, heartbeat_timeout_s=30)
     for store in ("disk", "s3"):
         for kind in layouts:
             _check(results, processes, f"{store}-{kind}", modes)
     assert seaweed.request_counts().get("GET", 0) > gets  # the s3:// restores went to the server
+    if processes == 2:
+        mine, peer = results[1].one("read-error")["raised"], results[0].one("read-error")["raised"]
+        assert mine and "injected" in mine, mine
+        assert peer and "process 1 failed reading" in peer and "injected" in peer, peer
 
 
 @pytest.mark.parametrize("how", ["kill", "stop"])

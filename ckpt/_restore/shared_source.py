@@ -105,6 +105,8 @@ def _group_key(want: _Want, rec: LeafRecord, least: int) -> tuple | None:
     if (not isinstance(s, NamedSharding) or want.layout is not None or rec.kind == PRNG_KEY
             or (rec.zarr is None and rec.stacked is None) or math.prod(rec.shape) == 0 or isinstance(s.mesh, jax.sharding.AbstractMesh)):
         return None
+    if {d.process_index for d in s.mesh.devices.flat} != set(range(jax.process_count())):
+        return None  # a mesh of some of the processes: the others could not join its collective
     used = _axes(s.spec)
     sharded = tuple(a for a in s.mesh.axis_names if a in used)
     replicated = tuple(a for a in s.mesh.axis_names if a not in used)
