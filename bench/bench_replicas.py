@@ -93,21 +93,22 @@ def job(w) -> None:
     leaves = 8
     rows = max(mesh.shape["fsdp"], int(a["mib"] * (1 << 20) / leaves / 4 / 1024) // mesh.shape["fsdp"] * mesh.shape["fsdp"])
     sharding = NamedSharding(mesh, P("fsdp", None))
-    tree = {f"layer{i}": jax.make_array_from_callback(
-        (rows, 1024), sharding, lambda idx, i=i: np.full((rows, 1024), i + 0.5, np.float32)[idx]) for i in range(leaves)}
-    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in tree.items()}
-    unique = sum(v.nbytes for v in tree.values())
+    target = {f"layer{i}": jax.ShapeDtypeStruct((rows, 1024), np.float32, sharding=sharding) for i in range(leaves)}
+    unique = leaves * rows * 1024 * 4
     where, disk = a["where"], a["disk"]
     chunking = ckpt.Options(max_chunk_bytes=int(a["chunk_mib"] * (1 << 20)))
     places = [where] if where == disk else [where, disk]
     # Orbax takes no s3:// path (epath makes it "s3:/..."; orbax#359): on local disk, beside
     # ckpt on the same disk.
     orbax_where = f"{disk}/orbax"
-    if a["save"]:
+    if a["save"]:  # (a job that restores builds nothing: what it holds before is what it started with)
+        tree = {k: jax.make_array_from_callback(
+            t.shape, sharding, lambda idx, i=i: np.full(t.shape, i + 0.5, np.float32)[idx])
+            for i, (k, t) in enumerate(target.items())}
         for place in places:
             ckpt.save(f"{place}/ckpt", tree, options=chunking, overwrite=True)
         ocp.PyTreeCheckpointer().save(orbax_where, tree, force=True)
-    del tree
+        del tree
 
     counts = {"bytes": 0, "reads": 0}
 

@@ -32,7 +32,7 @@ import functools
 import hashlib
 import math
 import threading
-from concurrent.futures import Future
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -306,57 +306,57 @@ class SharedRestore:
             for p in slab:
                 last_slab[p.k] = j
         done: dict[int, Any] = {}
-        pool = _OneThread()
-        ahead = pool.submit(self._fill, g, 0, slots)
-        for j in range(len(g.slabs)):
-            error = None
-            try:
-                bufs = ahead.result()
-            except Exception as e:  # noqa: BLE001 (told to the others before it is raised here)
-                error, bufs = e, None
-            ahead = pool.submit(self._fill, g, j + 1, slots) if j + 1 < len(g.slabs) and error is None else None
-            status = b"\x00" if error is None else b"\x01" + f"{type(error).__name__}: {error}".encode()
-            got = coord.all_gather(f"{rid}/slab-{j}", status)
-            if error is not None:
-                pool.close()
-                raise error
-            failed = [(p, v[1:].decode(errors="replace")) for p, v in enumerate(got) if v[:1] != b"\x00"]
-            if failed:
-                pool.close()
-                raise CheckpointError(f"process {failed[0][0]} failed reading its part of the replicated leaves: "
-                                      f"{failed[0][1]}")
-            arrays = []
-            for d in local:
-                s = g.slot_of[d]
-                if contributor[s] is d:
-                    arrays.append(jax.device_put(bufs[s].view(_WORD), d))
-                else:
-                    arrays.append(_zeros_on((g.slab_bytes // _WORD.itemsize,), _WORD, SingleDeviceSharding(d))())
-            x = jax.make_array_from_single_device_arrays((n,), sharding, arrays)
-            del arrays
-            y = compiled(x)
-            coord.watch(y.is_ready, f"{rid}/exchange of slab {j}")
-            for shard in y.addressable_shards:
-                s = g.slot_of[shard.device]
-                if contributor[s] is not shard.device:
-                    continue
-                data = np.asarray(shard.data).view(np.uint8)
-                for p in g.slabs[j]:
-                    w = g.wants[p.k]
-                    rec = self.leaves[w.index]
-                    dtype = np.dtype(w.dtype)
-                    buf = shards.get((p.k, s))
-                    if buf is None:
-                        shape = tuple(w.sharding.shard_shape(rec.shape))
-                        buf = shards[(p.k, s)] = aligned_empty(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
-                    buf[relative(p.rel, full_box(buf.shape)) + (...,)] = (
-                        data[p.offset:p.offset + p.nbytes].view(dtype).reshape(box_shape(p.rel)))
-            del y, x
-            with self._lock:
-                self._held -= sum(b.nbytes for b in bufs.values())
-            for k in [k for k, last in last_slab.items() if last == j]:
-                done[g.wants[k].index] = self._place(g, k, shards, local)
-        pool.close()
+        pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-share-read")  # the next slab, read meanwhile
+        try:
+            ahead = pool.submit(self._fill, g, 0, slots)
+            for j in range(len(g.slabs)):
+                error = None
+                try:
+                    bufs = ahead.result()
+                except Exception as e:  # noqa: BLE001 (told to the others before it is raised here)
+                    error, bufs = e, None
+                ahead = pool.submit(self._fill, g, j + 1, slots) if j + 1 < len(g.slabs) and error is None else None
+                status = b"\x00" if error is None else b"\x01" + f"{type(error).__name__}: {error}".encode()
+                got = coord.all_gather(f"{rid}/slab-{j}", status)
+                if error is not None:
+                    raise error
+                failed = [(p, v[1:].decode(errors="replace")) for p, v in enumerate(got) if v[:1] != b"\x00"]
+                if failed:
+                    raise CheckpointError(f"process {failed[0][0]} failed reading its part of the replicated leaves: "
+                                          f"{failed[0][1]}")
+                arrays = []
+                for d in local:
+                    s = g.slot_of[d]
+                    if contributor[s] is d:
+                        arrays.append(jax.device_put(bufs[s].view(_WORD), d))
+                    else:
+                        arrays.append(_zeros_on((g.slab_bytes // _WORD.itemsize,), _WORD, SingleDeviceSharding(d))())
+                x = jax.make_array_from_single_device_arrays((n,), sharding, arrays)
+                del arrays
+                y = compiled(x)
+                coord.watch(y.is_ready, f"{rid}/exchange of slab {j}")
+                for shard in y.addressable_shards:
+                    s = g.slot_of[shard.device]
+                    if contributor[s] is not shard.device:
+                        continue
+                    data = np.asarray(shard.data).view(np.uint8)
+                    for p in g.slabs[j]:
+                        w = g.wants[p.k]
+                        rec = self.leaves[w.index]
+                        dtype = np.dtype(w.dtype)
+                        buf = shards.get((p.k, s))
+                        if buf is None:
+                            shape = tuple(w.sharding.shard_shape(rec.shape))
+                            buf = shards[(p.k, s)] = aligned_empty(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
+                        buf[relative(p.rel, full_box(buf.shape)) + (...,)] = (
+                            data[p.offset:p.offset + p.nbytes].view(dtype).reshape(box_shape(p.rel)))
+                del y, x
+                with self._lock:
+                    self._held -= sum(b.nbytes for b in bufs.values())
+                for k in [k for k, last in last_slab.items() if last == j]:
+                    done[g.wants[k].index] = self._place(g, k, shards, local)
+        finally:  # (after a failure, the read in flight is waited for: it holds no lock anyone needs)
+            pool.shutdown(cancel_futures=True)
         return done
 
     def _place(self, g: _Group, k: int, shards: dict, local: list) -> jax.Array:
@@ -405,28 +405,3 @@ class SharedRestore:
         with self._lock:
             self._held -= held
         return bufs
-
-
-class _OneThread:
-    """One reading thread: the next slab is read while this one is exchanged."""
-
-    def __init__(self):
-        self._thread: threading.Thread | None = None
-
-    def submit(self, fn, *args) -> Future:
-        f: Future = Future()
-
-        def run():
-            try:
-                f.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 (handed to the waiting thread)
-                f.set_exception(e)
-
-        self._thread = threading.Thread(target=run, name="ckpt-share-read", daemon=True)
-        self._thread.start()
-        return f
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
