@@ -206,7 +206,8 @@ class DistributedCoordinator:
     @staticmethod
     def _phase(key: str) -> str:
         save_id, _, phase = key.partition("/")
-        return f"the {phase!r} phase of save {save_id}"
+        what = "restore" if phase.startswith("restore") else "save"  # (restores of replicated leaves)
+        return f"the {phase!r} phase of {what} {save_id}"
 
     def _post(self, key: str, value: bytes) -> None:
         try:

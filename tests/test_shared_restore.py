@@ -1,13 +1,15 @@
 """Restoring replicated state across processes (issue 24): each unique byte read once in total,
 split among the processes that hold it, the pieces exchanged over collectives.
 
-Real processes under jax.distributed on 127.0.0.1 (multiproc.py). Each job saves a small tree
-(a few MiB, many chunks), then restores it with sharing forced on and off, counting the bytes
-every process reads from storage through a counting wrapper around the engine, and compares
-every shard of every process with the saved values. Layouts: pure data parallel (a 1-D mesh,
-every leaf replicated on every device) and FSDP inside a process x replicas across processes
-(a (replica, fsdp) mesh). A last job kills or stops one process in the middle of a shared
-restore: the others must name it within CKPT_TIMEOUT_S + 5 s.
+Real processes under jax.distributed on 127.0.0.1 (multiproc.py), 2, 4 and 8 of them; each job
+saves a small tree (a few MiB, many chunks) on local disk and on SeaweedFS, then restores it with
+sharing on, auto or off, counting the bytes every process reads from storage through a counting
+wrapper around the engine, and compares every shard of every process with the saved values.
+Layouts: pure data parallel (a 1-D mesh, every leaf replicated on every device), FSDP inside a
+process x replicas across processes (a (replica, fsdp) mesh), and a 3-D mesh with replicas along
+two axes, one of them inside a process. The 2-process job also fails one process's reads: every
+process raises, naming it. The last jobs kill or stop one of 4 processes in the middle of a
+shared restore: the others must name it within CKPT_TIMEOUT_S + 5 s.
 """
 
 from __future__ import annotations

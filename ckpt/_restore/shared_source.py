@@ -281,19 +281,19 @@ class SharedRestore:
                                            [(self.leaves[g.wants[k].index].path, str(g.wants[k].sharding.spec),
                                              np.dtype(g.wants[k].dtype).str) for k in g.leaves])
                                           for g in self.groups]).encode()).hexdigest().encode()
-            got = coord.all_gather(f"{rid}/share-plan", digest)
+            got = coord.all_gather(f"{rid}/restore: plan", digest)
             differ = [p for p, d in enumerate(got) if d != got[0]]
             if differ:
                 raise CheckpointError(f"restore of replicated leaves: process(es) {differ} planned a different "
                                       "restore than process 0 (different targets or options on different processes)")
             out: dict[int, Any] = {}
             for i, (g, fn) in enumerate(zip(self.groups, fns)):
-                out.update(self._group(coord, f"{rid}/group-{i}", g, fn))
+                out.update(self._group(coord, rid, i, g, fn))
             return out
         finally:
             coord.end_save(rid)
 
-    def _group(self, coord, rid: str, g: _Group, fn) -> dict[int, Any]:
+    def _group(self, coord, rid: str, i: int, g: _Group, fn) -> dict[int, Any]:
         compiled, sharding, n = fn
         slots = g.local_slots(self.me)
         local = [d for d in sharding.addressable_devices_indices_map((n,))]
@@ -317,7 +317,7 @@ class SharedRestore:
                     error, bufs = e, None
                 ahead = pool.submit(self._fill, g, j + 1, slots) if j + 1 < len(g.slabs) and error is None else None
                 status = b"\x00" if error is None else b"\x01" + f"{type(error).__name__}: {error}".encode()
-                got = coord.all_gather(f"{rid}/slab-{j}", status)
+                got = coord.all_gather(f"{rid}/restore: reads of slab {j} (group {i})", status)
                 if error is not None:
                     raise error
                 failed = [(p, v[1:].decode(errors="replace")) for p, v in enumerate(got) if v[:1] != b"\x00"]
@@ -334,7 +334,7 @@ class SharedRestore:
                 x = jax.make_array_from_single_device_arrays((n,), sharding, arrays)
                 del arrays
                 y = compiled(x)
-                coord.watch(y.is_ready, f"{rid}/exchange of slab {j}")
+                coord.watch(y.is_ready, f"{rid}/restore: exchange of slab {j} (group {i})")
                 for shard in y.addressable_shards:
                     s = g.slot_of[shard.device]
                     if contributor[s] is not shard.device:
