@@ -263,6 +263,7 @@ class SharedRestore:
         self.planner.wants, self.planner._sources = [], {}
         self.high_water = 0
         self._held = 0
+        self._read: dict = {}  # leaf path -> bytes this process read of it
         self._lock = threading.Lock()
 
     def _take(self, n: int) -> None:
@@ -289,6 +290,13 @@ class SharedRestore:
             out: dict[int, Any] = {}
             for i, (g, fn) in enumerate(zip(self.groups, fns)):
                 out.update(self._group(coord, rid, i, g, fn))
+                for k in g.leaves:  # (read, needed by this process's devices), as the reader reports
+                    w, rec = g.wants[k], self.leaves[g.wants[k].index]
+                    boxes = {index_to_box(x, rec.shape) for x in w.sharding.addressable_devices_indices_map(
+                        tuple(rec.shape)).values()}
+                    needed = sum(box_size(b) for b in boxes) * _dtypes.dtype_from_name(rec.dtype).itemsize
+                    self.stats.bytes_needed += needed
+                    self.stats.per_leaf[rec.path] = (self._read.get(rec.path, 0), needed)
             return out
         finally:
             coord.end_save(rid)
@@ -388,8 +396,15 @@ class SharedRestore:
                                         [part for *_, part in items]))
         if not plans:
             return bufs
-        reader = Reader(self.storage, self.leaves, self.verify, self.stats, self.options)
-        regions = reader.read(plans)
+        # Counted apart and added up (a reader's per-leaf figures are of one read), then
+        # reported per leaf once every slab is in (run()).
+        mine = RestoreStats()
+        regions = Reader(self.storage, self.leaves, self.verify, mine, self.options).read(plans)
+        with self._lock:
+            self.stats.bytes_read += mine.bytes_read
+            self.stats.chunks_read += mine.chunks_read
+            for path, (got, _) in mine.per_leaf.items():
+                self._read[path] = self._read.get(path, 0) + got
         held = sum(a.nbytes for r in regions.values() for a in r.values())
         self._take(held)
         for k, items in by_leaf.items():
