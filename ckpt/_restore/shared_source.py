@@ -9,8 +9,10 @@ axes are its replicas), and a slot's bytes are read once in total:
 
 1. Plan (pure, the same on every process): leaves are grouped by (mesh, sharded axes); their
    shards are cut into pieces along chunk boundaries and packed into *slabs* of ``L`` bytes;
-   within each slab and slot the chunks to read are split byte-balanced among the processes
-   holding the slot (the order rotating slab by slab).
+   within each slab the sources to read (chunks, a stack chunk as one) are split byte-balanced
+   among the processes holding the slots that need them (slots held by the same processes
+   together, so that a source is read once; the order rotating slab by slab). The mesh must
+   span every process of the job (all of them enter its collective).
 2. Agree before any I/O: the exchange is compiled first, then every process posts a digest of
    its plan through the jax.distributed store and waits for all the others (``CKPT_TIMEOUT_S``
    of silence names the missing processes); a different plan is refused on all.
@@ -74,6 +76,7 @@ class _Group:
     sharded: tuple[str, ...]
     replicated: tuple[str, ...]
     slot_of: dict  # device -> slot (its coordinates along `sharded`)
+    device_of: dict  # slot -> one of its devices
     holders: dict  # slot -> sorted process indices holding it
     leaves: list[int] = field(default_factory=list)  # positions in the shared wants
     slabs: list[list[_Piece]] = field(default_factory=list)
@@ -124,7 +127,10 @@ def _make_group(mesh, sharded: tuple[str, ...]) -> _Group:
         slot = tuple(idx[p] for p in pos)
         slot_of[d] = slot
         holders.setdefault(slot, set()).add(d.process_index)
-    return _Group(mesh, sharded, tuple(a for a in names if a not in sharded), slot_of,
+    device_of = {}
+    for d, slot in slot_of.items():
+        device_of.setdefault(slot, d)
+    return _Group(mesh, sharded, tuple(a for a in names if a not in sharded), slot_of, device_of,
                   {s: sorted(ps) for s, ps in holders.items()})
 
 
@@ -194,8 +200,14 @@ def plan_shared(wants: list[_Want], leaves: list[LeafRecord], least: int | None,
 
 
 def _box_in(want: _Want, rec: LeafRecord, group: _Group, slot) -> Box:
-    device = next(d for d, s in group.slot_of.items() if s == slot)
-    return index_to_box(want.sharding.devices_indices_map(tuple(rec.shape))[device], rec.shape)
+    """The region of the leaf that `slot`'s devices hold."""
+    return _boxes(want.sharding, tuple(rec.shape))[group.device_of[slot]]
+
+
+@functools.lru_cache(maxsize=256)
+def _boxes(sharding, shape: tuple[int, ...]) -> dict:
+    """Every device's region of `shape` under `sharding` (leaves of a model share a few)."""
+    return {d: index_to_box(i, shape) for d, i in sharding.devices_indices_map(shape).items()}
 
 
 def _my_reads(group: _Group, j: int, leaves: list[LeafRecord], me: int, planner: Reader
