@@ -107,11 +107,11 @@ def _restore_native(storage: Storage, manifest: Manifest, target=None, *, mesh=N
     # Leaves replicated on several processes: read once across them, exchanged over collectives
     # (shared_source.py); first, so that no process enters that agreement after reading the rest.
     groups, rest = plan_shared([w for w in wants if w is not None], leaves, share_mode(opts), opts.host_budget_bytes)
-    shared = SharedRestore(groups, storage, leaves, verify, stats, opts)
-    built = shared.run() if groups else {}
+    shared = SharedRestore(groups, storage, leaves, verify, stats, opts) if groups else None
+    built = shared.run() if shared is not None else {}
     reader = Reader(storage, leaves, verify, stats, opts)
     built.update(reader.run(rest))
-    stats.host_high_water = max(reader.budget.high_water, shared.high_water)
+    stats.host_high_water = max(reader.budget.high_water, shared.high_water if shared is not None else 0)
     values = [built[i] if i in built else leaves[i].py_value() for i, _ in pairs]
     if target is None:
         return unflatten(manifest.tree, values), stats
