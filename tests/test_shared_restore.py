@@ -220,7 +220,7 @@ def seaweed(tmp_path_factory):
 @pytest.mark.parametrize("processes, devices, layouts, modes", [
     (2, 2, ["dp", "fsdp"], ["on", "auto"]),  # auto at 2 replicas: not shared (the default threshold is 4)
     (4, 2, ["dp", "fsdp", "3d"], ["auto", "off"]),  # 3d: sharing forced on (2 replicas across processes)
-    (8, 1, ["dp"], ["auto"]),
+    (8, 2, ["dp", "fsdp"], ["auto"]),
 ])
 def test_replicated_restore_reads_each_byte_once(tmp_path, seaweed, processes, devices, layouts, modes):
     """On local disk and on SeaweedFS, in one job per process count (start-up is most of it)."""
