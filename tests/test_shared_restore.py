@@ -15,6 +15,7 @@ shared restore: the others must name it within CKPT_TIMEOUT_S + 5 s.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import signal
@@ -285,3 +286,53 @@ def test_one_process_restores_as_before_with_sharing_forced_on(tmp_path):
         assert bad == [] and n == 8 * len(ARRAYS)
         got[mode] = (stats.bytes_read, stats.chunks_read)
     assert got[True] == got[False] and got[True][0] == UNIQUE
+
+
+@pytest.mark.parametrize("pack_limit", [0, 1 << 20])  # chunked arrays; small ones in stacks
+def test_every_byte_is_read_by_exactly_one_holder(tmp_path, pack_limit):
+    """The assignment alone, for 4 simulated processes holding every slot of a (replica, fsdp)
+    mesh: the parts the processes read cover each slot's pieces exactly once, each source (a
+    chunk, a stack chunk) is one process's, and each process gets about a quarter of the bytes."""
+    from ckpt._format import display_path, read_manifest
+    from ckpt._geometry import box_size, intersect
+    from ckpt._restore import Reader, RestoreStats
+    from ckpt._restore.plan import _want_from_target
+    from ckpt._restore.shared_source import _make_group, _my_reads, _pack
+    from ckpt.storage import open_storage
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("replica", "fsdp"))
+    ckpt.save(tmp_path / "x", build(ARRAYS, mesh), options=ckpt.Options(max_chunk_bytes=CHUNK, pack_limit_bytes=pack_limit))
+    leaves = read_manifest(open_storage(str(tmp_path / "x"), ckpt.Options().resolved())).leaves
+    shardings = {k: NamedSharding(mesh, spec) for k, (_, _, spec) in ARRAYS.items()}
+    groups = {}
+    for i, rec in enumerate(leaves):
+        w = _want_from_target(i, rec, shardings[display_path(rec.path)])
+        g = groups.setdefault(tuple(a for a in ("fsdp",) if a in str(w.sharding.spec)), _make_group(
+            mesh, tuple(a for a in ("fsdp",) if a in str(w.sharding.spec))))
+        g.wants.append(w)
+        g.leaves.append(len(g.wants) - 1)
+    for g in groups.values():
+        g.holders = {slot: [0, 1, 2, 3] for slot in g.holders}  # as if each replica were a process
+        _pack(g, leaves, 1 << 20, len(g.holders))  # a 1 MiB budget: several slabs
+        planner = Reader(None, leaves, False, RestoreStats(), ckpt.Options().resolved())
+        planner.wants, planner._sources = [], {}
+        total, per_process, owner = 0, [0] * 4, {}
+        for j, slab in enumerate(g.slabs):
+            got = {me: _my_reads(g, j, leaves, me, planner) for me in range(4)}
+            for slot in g.holders:
+                for p in slab:
+                    parts = [(me, part) for me in range(4) for s, q, _, part in got[me] if s == slot and q == p]
+                    box = next(b for me in range(4) for s, q, b, _ in got[me] if s == slot and q == p)
+                    assert sum(box_size(part) for _, part in parts) == box_size(box)  # covered...
+                    for a, (_, x) in enumerate(parts):  # ...exactly once
+                        assert all(intersect(x, y) is None for _, y in parts[a + 1:])
+            for me in range(4):
+                for slot, p, _, part in got[me]:
+                    n = box_size(part) * np.dtype(g.wants[p.k].dtype).itemsize
+                    total += n
+                    per_process[me] += n
+                    rec = leaves[g.wants[p.k].index]
+                    for src in planner._pieces(p.k, rec, part):
+                        assert owner.setdefault((j, src.key), me) == me  # one reader per source and slab
+        assert max(per_process) <= 1.5 * total / 4 + CHUNK, per_process  # (whole chunks: one of slack)
+        assert total == sum(math.prod(leaves[w.index].shape) * np.dtype(w.dtype).itemsize for w in g.wants)

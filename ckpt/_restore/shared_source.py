@@ -172,31 +172,34 @@ def plan_shared(wants: list[_Want], leaves: list[LeafRecord], least: int | None,
                 continue
         rest.append(w)
     me = jax.process_index()
-    out = []
     for g in groups.values():
-        local = max(1, len(g.local_slots(me)))
-        itemsizes = [np.dtype(shared[k].dtype).itemsize for k in g.leaves]
-        largest_chunk = max(math.prod(leaves[shared[k].index].chunk_shape) * i for k, i in zip(g.leaves, itemsizes))
-        limit = min(_MAX_SLAB, max(_MIN_SLAB, budget // (4 * local), largest_chunk))
-        pieces = []
-        for k, itemsize in zip(g.leaves, itemsizes):
-            w, rec = shared[k], leaves[shared[k].index]
-            shard = tuple(w.sharding.shard_shape(rec.shape))
-            pieces += [(k, b, box_size(b) * itemsize) for b in _split(full_box(shard), rec.chunk_shape, itemsize, limit)]
-        stream = sum(-(-n // _ALIGN) * _ALIGN for _, _, n in pieces)
-        g.slab_bytes = -(-min(limit, max(stream, _ALIGN)) // _ALIGN) * _ALIGN
-        slab, used = [], 0
-        for k, b, n in pieces:
-            if slab and used + n > g.slab_bytes:
-                g.slabs.append(slab)
-                slab, used = [], 0
-            slab.append(_Piece(k, b, used, n))
-            used += -(-n // _ALIGN) * _ALIGN
-            g.slab_bytes = max(g.slab_bytes, -(-used // _ALIGN) * _ALIGN)  # a piece over the limit alone
-        g.slabs.append(slab)
         g.wants = shared
-        out.append(g)
-    return out, rest
+        _pack(g, leaves, budget, max(1, len(g.local_slots(me))))
+    return list(groups.values()), rest
+
+
+def _pack(g: _Group, leaves: list[LeafRecord], budget: int, local: int) -> None:
+    """Cut the group's shards into pieces and pack them into slabs (``local``: the slots this
+    process holds, which share the budget)."""
+    itemsizes = [np.dtype(g.wants[k].dtype).itemsize for k in g.leaves]
+    largest_chunk = max(math.prod(leaves[g.wants[k].index].chunk_shape) * i for k, i in zip(g.leaves, itemsizes))
+    limit = min(_MAX_SLAB, max(_MIN_SLAB, budget // (4 * local), largest_chunk))
+    pieces = []
+    for k, itemsize in zip(g.leaves, itemsizes):
+        w, rec = g.wants[k], leaves[g.wants[k].index]
+        shard = tuple(w.sharding.shard_shape(rec.shape))
+        pieces += [(k, b, box_size(b) * itemsize) for b in _split(full_box(shard), rec.chunk_shape, itemsize, limit)]
+    stream = sum(-(-n // _ALIGN) * _ALIGN for _, _, n in pieces)
+    g.slab_bytes = -(-min(limit, max(stream, _ALIGN)) // _ALIGN) * _ALIGN
+    slab, used = [], 0
+    for k, b, n in pieces:
+        if slab and used + n > g.slab_bytes:
+            g.slabs.append(slab)
+            slab, used = [], 0
+        slab.append(_Piece(k, b, used, n))
+        used += -(-n // _ALIGN) * _ALIGN
+        g.slab_bytes = max(g.slab_bytes, -(-used // _ALIGN) * _ALIGN)  # a piece over the limit alone
+    g.slabs.append(slab)
 
 
 def _box_in(want: _Want, rec: LeafRecord, group: _Group, slot) -> Box:
