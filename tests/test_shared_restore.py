@@ -253,11 +253,16 @@ def test_replicated_restore_reads_each_byte_once(tmp_path, seaweed, processes, d
         assert peer and "process 1 failed reading" in peer and "injected" in peer, peer
 
 
-@pytest.mark.parametrize("how", ["kill", "stop"])
-def test_a_process_killed_or_stopped_mid_restore_is_named(tmp_path, how):
+# Killed at its 2nd read: inside the first slab's reads, while the others wait at the agreement
+# before the first exchange. Stopped at its 5th: in the second slab's reads, while the others are
+# inside the first exchange (a stopped process keeps its connections open; the others watch it).
+# (A process SIGKILLed while an exchange is in flight closes its gloo connections; once, under a
+# load average of ~20, a second process went down with it: docs/multihost.md.)
+@pytest.mark.parametrize("how, at_read", [("kill", 2), ("stop", 5)])
+def test_a_process_killed_or_stopped_mid_restore_is_named(tmp_path, how, at_read):
     timeout_s = 4
     results = launch(f"{HERE}:run_fault_job", processes=4, devices_per_process=1,
-                     args={"dir": str(tmp_path), "victim": 2, "how": how, "at_read": 5},
+                     args={"dir": str(tmp_path), "victim": 2, "how": how, "at_read": at_read},
                      env={"CKPT_TIMEOUT_S": str(timeout_s)}, timeout_s=90, heartbeat_timeout_s=30)
     assert results[2].returncode == -signal.SIGKILL, results[2].describe()
     for r in results[:2] + results[3:]:

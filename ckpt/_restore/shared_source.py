@@ -108,7 +108,7 @@ def _group_key(want: _Want, rec: LeafRecord, least: int) -> tuple | None:
     if (not isinstance(s, NamedSharding) or want.layout is not None or rec.kind == PRNG_KEY
             or (rec.zarr is None and rec.stacked is None) or math.prod(rec.shape) == 0 or isinstance(s.mesh, jax.sharding.AbstractMesh)):
         return None
-    if {d.process_index for d in s.mesh.devices.flat} != set(range(jax.process_count())):
+    if _processes_of(s.mesh) != jax.process_count():
         return None  # a mesh of some of the processes: the others could not join its collective
     used = _axes(s.spec)
     sharded = tuple(a for a in s.mesh.axis_names if a in used)
@@ -118,7 +118,21 @@ def _group_key(want: _Want, rec: LeafRecord, least: int) -> tuple | None:
     return s.mesh, sharded
 
 
+@functools.lru_cache(maxsize=64)
+def _processes_of(mesh) -> int:
+    return len({d.process_index for d in mesh.devices.flat})
+
+
 def _make_group(mesh, sharded: tuple[str, ...]) -> _Group:
+    slot_of, device_of, holders = _slots(mesh, sharded)
+    return _Group(mesh, sharded, tuple(a for a in mesh.axis_names if a not in sharded), slot_of, device_of,
+                  dict(holders))
+
+
+@functools.lru_cache(maxsize=64)
+def _slots(mesh, sharded: tuple[str, ...]) -> tuple[dict, dict, dict]:
+    """(device -> slot, slot -> one of its devices, slot -> the processes holding it): computed
+    once per mesh and sharded axes (every leaf of a model asks)."""
     names = list(mesh.axis_names)
     pos = [names.index(a) for a in sharded]
     slot_of, holders = {}, {}
@@ -130,8 +144,7 @@ def _make_group(mesh, sharded: tuple[str, ...]) -> _Group:
     device_of = {}
     for d, slot in slot_of.items():
         device_of.setdefault(slot, d)
-    return _Group(mesh, sharded, tuple(a for a in names if a not in sharded), slot_of, device_of,
-                  {s: sorted(ps) for s, ps in holders.items()})
+    return slot_of, device_of, {s: sorted(ps) for s, ps in holders.items()}
 
 
 def _split(box: Box, chunk: tuple[int, ...], itemsize: int, limit: int) -> list[Box]:
