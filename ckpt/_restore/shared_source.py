@@ -26,6 +26,9 @@ axes are its replicas), and a slot's bytes are read once in total:
 Leaves that cannot share (numpy targets, custom device layouts, PRNG keys, data stored inline in
 the manifest, shardings other than ``NamedSharding``, fewer replicas across processes than asked)
 are read by the ordinary reader, as they are without this module.
+
+(One module of about 450 lines: its plan, agreement, exchange and placement are one protocol
+every process must run identically, and the restore pipeline holds no sixth step module.)
 """
 
 from __future__ import annotations
