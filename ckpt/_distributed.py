@@ -171,6 +171,48 @@ class DistributedCoordinator:
         except Exception:  # cleanup only; a lost service is reported by the next exchange
             pass
 
+    def watch(self, done: Callable[[], bool], key: str) -> None:
+        """Wait until `done()` (a collective every process entered) while watching the others:
+        one that shows no sign of life for ``CKPT_TIMEOUT_S`` (killed or stopped inside it) is
+        named in a CheckpointError instead of a hang."""
+        timeout = coordination_timeout()
+        start = time.monotonic()
+        others = [p for p in range(self.process_count) if p != self.process_index]
+        now = start
+        seen = {p: None for p in others}
+        last = {p: start for p in others}
+        pause = 0.0005
+        failed: Exception | None = None  # the collective failed (a peer's connection closed, say)
+        while True:
+            if failed is None:
+                try:
+                    if done():
+                        return
+                except Exception as e:  # noqa: BLE001 (reported naming the peer that went away)
+                    failed, pause = e, 0.05
+            elif now - start > 2 * timeout:
+                raise CheckpointError(f"{self._phase(key)} failed on process {self.process_index}: {failed}")
+            time.sleep(pause)
+            pause = min(0.05, 2 * pause)
+            now = time.monotonic()
+            if failed is None and (now - start < min(1.0, timeout / 5) or pause < 0.05):
+                continue
+            try:
+                life = dict(self._client.key_value_dir_get(f"{NAMESPACE}/alive/"))
+            except Exception as e:
+                raise self._lost(key, e) from None
+            for p in others:
+                sign = life.get(self._alive_key(p))
+                if sign != seen[p]:
+                    seen[p], last[p] = sign, now
+            silent = [p for p in others if now - last[p] > timeout]
+            if silent:
+                self._mark_broken(key)
+                raise CheckpointError(
+                    f"process(es) {silent} showed no sign of life for {timeout:g} s ({TIMEOUT_ENV}) during "
+                    f"{self._phase(key)}: crashed or hung (process {self.process_index} waited {now - start:.1f} s)"
+                )
+
     # -- waiting -------------------------------------------------------------------------------
 
     @staticmethod
@@ -180,7 +222,8 @@ class DistributedCoordinator:
     @staticmethod
     def _phase(key: str) -> str:
         save_id, _, phase = key.partition("/")
-        return f"the {phase!r} phase of save {save_id}"
+        what = "restore" if phase.startswith("restore") else "save"  # (restores of replicated leaves)
+        return f"the {phase!r} phase of {what} {save_id}"
 
     def _post(self, key: str, value: bytes) -> None:
         try:
