@@ -2,7 +2,7 @@
 "Replicated state"; issue 24).
 
     python -m bench.bench_replicas [--processes 2,4,8] [--mib 64] [--chunk-mib 1] [--devices 2]
-                                   [--budget-mib N] [--runs N]
+                                   [--budget-mib N] [--runs N] [--fresh] [--systems 'A;B']
                                    [--seaweedfs | --url s3://bucket/prefix] [--dir /tmp/x] [--json]
 
 For each process count N: N real processes under jax.distributed on 127.0.0.1 (tests/multiproc.py),
@@ -192,6 +192,7 @@ def main(argv=None) -> int:
     p.add_argument("--url", help="an s3:// prefix (AWS_* variables set)")
     p.add_argument("--dir", help="a local directory (Orbax and the disk runs; default a temporary one)")
     p.add_argument("--fresh", action="store_true", help="each system's restore in fresh processes (clean RSS)")
+    p.add_argument("--systems", help="only these systems, ';'-separated (e.g. 'ckpt today, s3;ckpt shared, s3')")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     from multiproc import assert_all_succeeded, launch
@@ -208,11 +209,15 @@ def main(argv=None) -> int:
     disk = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-replicas-disk-")
     rows = []
     names = ["ckpt today, s3", "ckpt shared, s3", "ckpt today, disk", "ckpt shared, disk", "orbax 1-replica, disk"]
+    chosen = None if args.systems is None else [x.strip() for x in args.systems.split(";")]
+    if chosen is not None and not set(chosen) <= set(names):
+        p.error(f"--systems: unknown {sorted(set(chosen) - set(names))}; systems are {names}")
+    names = chosen or names
     try:
         for n in [int(x) for x in args.processes.split(",")]:
             # --fresh: one job saves, then each system restores in a job of its own (fresh
             # processes, so that the RSS sampled is that restore's alone).
-            jobs = [(True, None)] if not args.fresh else [(True, [])] + [(False, [s]) for s in names]
+            jobs = [(True, chosen)] if not args.fresh else [(True, [])] + [(False, [s]) for s in names]
             by = {}
             for save, systems in jobs:
                 results = launch(f"{os.path.abspath(__file__)}:job", processes=n, devices_per_process=args.devices,
