@@ -384,6 +384,10 @@ class SharedRestore:
                 if failed:
                     raise CheckpointError(f"process {failed[0][0]} failed reading its part of the replicated leaves: "
                                           f"{failed[0][1]}")
+                # The exchange's part of slab_memory, counted while it is in flight (its zeros,
+                # the psum's output, the collective's buffers; its inputs are the slab's, counted).
+                exchange = (3 * len(local) - len(slots)) * g.slab_bytes
+                self._take(exchange)
                 arrays = []
                 for d in local:
                     s = g.slot_of[d]
@@ -412,7 +416,7 @@ class SharedRestore:
                             data[p.offset:p.offset + p.nbytes].view(dtype).reshape(box_shape(p.rel)))
                 del y, x
                 with self._lock:
-                    self._held -= sum(b.nbytes for b in bufs.values())
+                    self._held -= sum(b.nbytes for b in bufs.values()) + exchange
                 del bufs
                 for k in [k for k, last in last_slab.items() if last == j]:
                     done[g.wants[k].index] = self._place(g, k, shards, local)
