@@ -187,8 +187,9 @@ def run_fault_job(w: Worker) -> None:
 
         return Fault(open_storage(location, dataclasses.replace(options, engine="local")))
 
-    # Slabs of 1 MiB: the fault lands in the middle of the restore, with exchanges before and after.
-    options = ckpt.Options(engine=engine, share_replicas=True, host_budget_bytes=1 << 20)
+    # Slabs of 1 MiB (5 MiB over 2 x 1 slot + 3 x 1 device: slab_memory): the fault lands in the
+    # middle of the restore, with exchanges before and after.
+    options = ckpt.Options(engine=engine, share_replicas=True, host_budget_bytes=5 << 20)
     start = time.monotonic()
     try:
         ckpt.restore(path, mesh=mesh, options=options)
