@@ -27,7 +27,7 @@ Leaves that cannot share (numpy targets, custom device layouts, PRNG keys, data 
 the manifest, shardings other than ``NamedSharding``, fewer replicas across processes than asked)
 are read by the ordinary reader, as they are without this module.
 
-(One module of about 450 lines: its plan, agreement, exchange and placement are one protocol
+(One module of about 490 lines: its plan, agreement, exchange and placement are one protocol
 every process must run identically, and the restore pipeline holds no sixth step module.)
 """
 
