@@ -422,8 +422,9 @@ class SharedRestore:
                     done[g.wants[k].index] = self._place(g, k, shards, local)
                 # The slab's buffers, its zeros and the psum's output are free now; slabs are
                 # below glibc's dynamic mmap threshold, so without this the holes stayed
-                # resident beside the next slab's (64 MiB tree, 32 MiB budget, 2 and 4
-                # processes: peak RSS growth 145-154 MiB; 116-117 with the threshold fixed).
+                # resident beside the next slab's (64 MiB tree, 32 MiB budget, 2 and 4 processes
+                # on disk: peak RSS growth 145-149 MiB; 116-117 with MALLOC_MMAP_THRESHOLD_
+                # fixed; 124-129 with these trims).
                 return_to_os()
         finally:  # (after a failure, the read in flight is waited for: it holds no lock anyone needs)
             pool.shutdown(cancel_futures=True)
