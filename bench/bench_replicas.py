@@ -2,7 +2,8 @@
 "Replicated state"; issue 24).
 
     python -m bench.bench_replicas [--processes 2,4,8] [--mib 64] [--chunk-mib 1] [--devices 2]
-                                   [--budget-mib N] [--runs N]
+                                   [--budget-mib N] [--runs N] [--fresh] [--systems 'A;B']
+                                   [--compiled-before]
                                    [--seaweedfs | --url s3://bucket/prefix] [--dir /tmp/x] [--json]
 
 For each process count N: N real processes under jax.distributed on 127.0.0.1 (tests/multiproc.py),
@@ -147,6 +148,8 @@ def job(w) -> None:
                 for k, t in target.items()}
         return ocp.PyTreeCheckpointer().restore(orbax_where, args=ocp.args.PyTreeRestore(item=target, restore_args=args))
 
+    if a.get("compiled_before"):  # as in a job that has compiled its step already (XLA's compiler loaded)
+        jax.block_until_ready(jax.jit(lambda x: x * 2 + 1)(np.ones(4, np.float32)))
     systems = {}
     for place in places:
         tag = "s3" if place.startswith("s3://") else "disk"
@@ -192,6 +195,10 @@ def main(argv=None) -> int:
     p.add_argument("--url", help="an s3:// prefix (AWS_* variables set)")
     p.add_argument("--dir", help="a local directory (Orbax and the disk runs; default a temporary one)")
     p.add_argument("--fresh", action="store_true", help="each system's restore in fresh processes (clean RSS)")
+    p.add_argument("--systems", help="only these systems, ';'-separated (e.g. 'ckpt today, s3;ckpt shared, s3')")
+    p.add_argument("--compiled-before", action="store_true",
+                   help="compile a small function before the restores (as a training job has), so that "
+                        "RSS+ leaves out loading XLA's compiler")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     from multiproc import assert_all_succeeded, launch
@@ -208,17 +215,22 @@ def main(argv=None) -> int:
     disk = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-replicas-disk-")
     rows = []
     names = ["ckpt today, s3", "ckpt shared, s3", "ckpt today, disk", "ckpt shared, disk", "orbax 1-replica, disk"]
+    chosen = None if args.systems is None else [x.strip() for x in args.systems.split(";")]
+    if chosen is not None and not set(chosen) <= set(names):
+        p.error(f"--systems: unknown {sorted(set(chosen) - set(names))}; systems are {names}")
+    names = chosen or names
     try:
         for n in [int(x) for x in args.processes.split(",")]:
             # --fresh: one job saves, then each system restores in a job of its own (fresh
             # processes, so that the RSS sampled is that restore's alone).
-            jobs = [(True, None)] if not args.fresh else [(True, [])] + [(False, [s]) for s in names]
+            jobs = [(True, chosen)] if not args.fresh else [(True, [])] + [(False, [s]) for s in names]
             by = {}
             for save, systems in jobs:
                 results = launch(f"{os.path.abspath(__file__)}:job", processes=n, devices_per_process=args.devices,
                                  args={"where": f"{where}/p{n}", "disk": f"{disk}/p{n}", "mib": args.mib,
                                        "chunk_mib": args.chunk_mib, "runs": args.runs, "metrics": metrics,
-                                       "budget_mib": args.budget_mib, "save": save, "systems": systems},
+                                       "budget_mib": args.budget_mib, "save": save, "systems": systems,
+                                       "compiled_before": args.compiled_before},
                                  env={"CKPT_TIMEOUT_S": "60", **env}, timeout_s=1800, heartbeat_timeout_s=100)
                 assert_all_succeeded(results)
                 for r in results:

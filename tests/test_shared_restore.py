@@ -187,8 +187,9 @@ def run_fault_job(w: Worker) -> None:
 
         return Fault(open_storage(location, dataclasses.replace(options, engine="local")))
 
-    # Slabs of 1 MiB: the fault lands in the middle of the restore, with exchanges before and after.
-    options = ckpt.Options(engine=engine, share_replicas=True, host_budget_bytes=1 << 20)
+    # Slabs of 1 MiB (5 MiB over 2 x 1 slot + 3 x 1 device: slab_memory): the fault lands in the
+    # middle of the restore, with exchanges before and after.
+    options = ckpt.Options(engine=engine, share_replicas=True, host_budget_bytes=5 << 20)
     start = time.monotonic()
     try:
         ckpt.restore(path, mesh=mesh, options=options)
@@ -306,16 +307,12 @@ def test_one_process_restores_as_before_with_sharing_forced_on(tmp_path):
     assert got[True] == got[False] and got[True][0] == UNIQUE
 
 
-@pytest.mark.parametrize("pack_limit", [0, 1 << 20])  # chunked arrays; small ones in stacks
-def test_every_byte_is_read_by_exactly_one_holder(tmp_path, pack_limit):
-    """The assignment alone, for 4 simulated processes holding every slot of a (replica, fsdp)
-    mesh: the parts the processes read cover each slot's pieces exactly once, each source (a
-    chunk, a stack chunk) is one process's, and each process gets about a quarter of the bytes."""
+def _unpacked_groups(tmp_path, pack_limit):
+    """(the groups of a (replica=4, fsdp=2) mesh's leaves, not yet packed, each replica as if it
+    were a process; the leaf records) of ARRAYS saved with CHUNK-sized chunks."""
     from ckpt._format import display_path, read_manifest
-    from ckpt._geometry import box_size, intersect
-    from ckpt._restore import Reader, RestoreStats
     from ckpt._restore.plan import _want_from_target
-    from ckpt._restore.shared_source import _make_group, _my_reads, _pack
+    from ckpt._restore.shared_source import _make_group
     from ckpt.storage import open_storage
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("replica", "fsdp"))
@@ -330,8 +327,22 @@ def test_every_byte_is_read_by_exactly_one_holder(tmp_path, pack_limit):
         g.wants.append(w)
         g.leaves.append(len(g.wants) - 1)
     for g in groups.values():
-        g.holders = {slot: [0, 1, 2, 3] for slot in g.holders}  # as if each replica were a process
-        _pack(g, leaves, 1 << 20, len(g.holders))  # a 1 MiB budget: several slabs
+        g.holders = {slot: [0, 1, 2, 3] for slot in g.holders}
+    return list(groups.values()), leaves
+
+
+@pytest.mark.parametrize("pack_limit", [0, 1 << 20])  # chunked arrays; small ones in stacks
+def test_every_byte_is_read_by_exactly_one_holder(tmp_path, pack_limit):
+    """The assignment alone, for 4 simulated processes holding every slot of a (replica, fsdp)
+    mesh: the parts the processes read cover each slot's pieces exactly once, each source (a
+    chunk, a stack chunk) is one process's, and each process gets about a quarter of the bytes."""
+    from ckpt._geometry import box_size, intersect
+    from ckpt._restore import Reader, RestoreStats
+    from ckpt._restore.shared_source import _my_reads, _pack
+
+    groups, leaves = _unpacked_groups(tmp_path, pack_limit)
+    for g in groups:
+        _pack(g, leaves, 1 << 20, len(g.holders), 2)  # a 1 MiB budget: several slabs
         planner = Reader(None, leaves, False, RestoreStats(), ckpt.Options().resolved())
         planner.wants, planner._sources = [], {}
         total, per_process, owner = 0, [0] * 4, {}
@@ -354,3 +365,33 @@ def test_every_byte_is_read_by_exactly_one_holder(tmp_path, pack_limit):
                         assert owner.setdefault((j, src.key), me) == me  # one reader per source and slab
         assert max(per_process) <= 1.5 * total / 4 + CHUNK, per_process  # (whole chunks: one of slack)
         assert total == sum(math.prod(leaves[w.index].shape) * np.dtype(w.dtype).itemsize for w in g.wants)
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 4 << 20, 32 << 20, 1 << 62])
+@pytest.mark.parametrize("slots, devices", [(2, 2), (1, 2), (2, 8), (8, 8)])
+def test_a_slab_with_its_exchange_fits_the_budget(tmp_path, budget, slots, devices):
+    """The planned memory of one slab (the reads in flight and the exchange's input, output and
+    collective buffers: slab_memory) fits the host budget, for any count of local slots and
+    devices, unless one chunk alone is larger than its share (then a slab is that chunk, as a
+    chunk larger than the budget is read whole by the reader); every piece lies inside its slab,
+    and the slabs cover every leaf's shard."""
+    from ckpt._geometry import box_size
+    from ckpt._restore.shared_source import _MAX_SLAB, _MIN_SLAB, _pack, slab_memory
+
+    groups, leaves = _unpacked_groups(tmp_path, 0)
+    for g in groups:
+        _pack(g, leaves, budget, slots, devices)
+        chunk = max(math.prod(leaves[g.wants[k].index].chunk_shape) * np.dtype(g.wants[k].dtype).itemsize
+                    for k in g.leaves)
+        floor = -(-max(_MIN_SLAB, chunk) // 64) * 64
+        assert slab_memory(g.slab_bytes, slots, devices) <= budget or g.slab_bytes <= floor, (g.slab_bytes, budget)
+        assert g.slab_bytes <= _MAX_SLAB
+        for slab in g.slabs:
+            assert all(p.offset + p.nbytes <= g.slab_bytes for p in slab)
+        for k in g.leaves:
+            w, rec = g.wants[k], leaves[g.wants[k].index]
+            shard = math.prod(w.sharding.shard_shape(rec.shape))
+            assert sum(box_size(p.rel) for slab in g.slabs for p in slab if p.k == k) == shard
+    # (the bound is not vacuous: at 4 MiB every layout here fits without the floor)
+    if budget == 4 << 20:
+        assert all(slab_memory(g.slab_bytes, slots, devices) <= budget for g in groups)

@@ -27,7 +27,7 @@ Leaves that cannot share (numpy targets, custom device layouts, PRNG keys, data 
 the manifest, shardings other than ``NamedSharding``, fewer replicas across processes than asked)
 are read by the ordinary reader, as they are without this module.
 
-(One module of about 450 lines: its plan, agreement, exchange and placement are one protocol
+(One module of about 490 lines: its plan, agreement, exchange and placement are one protocol
 every process must run identically, and the restore pipeline holds no sixth step module.)
 """
 
@@ -50,7 +50,7 @@ from ckpt._errors import CheckpointError
 from ckpt._format import PRNG_KEY, LeafRecord, display_path
 from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import Box, box_shape, box_size, full_box, index_to_box, intersect, relative
-from ckpt._memory import aligned_empty
+from ckpt._memory import aligned_empty, return_to_os
 from ckpt._options import SHARE_MIN_REPLICAS, Options
 from ckpt._restore.place import _zeros_on
 from ckpt._restore.plan import _Want, cast_values, held_note, plan_leaf_read
@@ -58,9 +58,27 @@ from ckpt._restore.read import Reader, RestoreStats
 
 _WORD = np.dtype(np.uint32)  # the exchange adds unsigned words: x + 0 == x, bit for bit
 _ALIGN = 64
-# Slab bytes per local slot: a quarter of the budget over the local slots (two slabs in flight,
-# each with its chunks read), within these bounds.
-_MIN_SLAB, _MAX_SLAB = 1 << 20, 64 << 20
+# What one slab of L bytes per slot holds at once in a process with S local slots of the group
+# and D local devices of its mesh (on CPU devices all of it is host memory; on accelerators the
+# exchange's part is device memory, counted the same way so that one rule holds on both):
+# - reads: the slab being exchanged (S x L, the contributors' inputs, adopted without a copy),
+#   the next slab being filled (S x L) and the chunks read for it (at most S x L): 3 S L;
+# - exchange: zeros for the D - S devices that contribute nothing, the psum's output (D x L),
+#   and the collective's own buffers, which gloo keeps from the first exchange on (D x L):
+#   (D - S) + 2 D.
+# Measured on 2 processes x 2 CPU devices with L = 16 MiB (loopback gloo; /proc/self/statm every
+# 2 ms, MALLOC_MMAP_THRESHOLD_ fixed so that freed slabs go back): an exchange's peak is 4.25 L
+# over its inputs (output 2 L, the rest gloo's), 6.3 L on the first, which keeps 2 L afterwards.
+# So L = budget / (2 S + 3 D) (docs/benchmarks.md, "Replicated state"), within these bounds: the
+# floor keeps the number of slabs (one agreement round each) sane under a tiny budget; a chunk
+# larger than a slab still makes one, as a chunk larger than the budget does for the reader.
+_MIN_SLAB, _MAX_SLAB = 64 << 10, 64 << 20
+
+
+def slab_memory(slab_bytes: int, slots: int, devices: int) -> int:
+    """The bytes a process holds at once for slabs of `slab_bytes` per slot (reads in flight and
+    the exchange), with `slots` local slots and `devices` local devices of the mesh."""
+    return (2 * slots + 3 * devices) * slab_bytes
 
 
 @dataclass(frozen=True)
@@ -190,16 +208,19 @@ def plan_shared(wants: list[_Want], leaves: list[LeafRecord], least: int | None,
     me = jax.process_index()
     for g in groups.values():
         g.wants = shared
-        _pack(g, leaves, budget, max(1, len(g.local_slots(me))))
+        devices = sum(d.process_index == me for d in g.mesh.devices.flat)
+        _pack(g, leaves, budget, max(1, len(g.local_slots(me))), max(1, devices))
     return list(groups.values()), rest
 
 
-def _pack(g: _Group, leaves: list[LeafRecord], budget: int, local: int) -> None:
-    """Cut the group's shards into pieces and pack them into slabs (``local``: the slots this
-    process holds, which share the budget)."""
+def _pack(g: _Group, leaves: list[LeafRecord], budget: int, slots: int, devices: int) -> None:
+    """Cut the group's shards into pieces and pack them into slabs (``slots``: the slots this
+    process holds, ``devices``: its devices of the mesh; what a slab holds of the budget is
+    `slab_memory`)."""
     itemsizes = [np.dtype(g.wants[k].dtype).itemsize for k in g.leaves]
     largest_chunk = max(math.prod(leaves[g.wants[k].index].chunk_shape) * i for k, i in zip(g.leaves, itemsizes))
-    limit = min(_MAX_SLAB, max(_MIN_SLAB, budget // (4 * local), largest_chunk))
+    share = slab_memory(1, slots, devices)
+    limit = min(_MAX_SLAB, max(_MIN_SLAB, largest_chunk, budget // share // _ALIGN * _ALIGN))
     pieces = []
     for k, itemsize in zip(g.leaves, itemsizes):
         w, rec = g.wants[k], leaves[g.wants[k].index]
@@ -363,6 +384,10 @@ class SharedRestore:
                 if failed:
                     raise CheckpointError(f"process {failed[0][0]} failed reading its part of the replicated leaves: "
                                           f"{failed[0][1]}")
+                # The exchange's part of slab_memory, counted while it is in flight (its zeros,
+                # the psum's output, the collective's buffers; its inputs are the slab's, counted).
+                exchange = (3 * len(local) - len(slots)) * g.slab_bytes
+                self._take(exchange)
                 arrays = []
                 for d in local:
                     s = g.slot_of[d]
@@ -391,9 +416,16 @@ class SharedRestore:
                             data[p.offset:p.offset + p.nbytes].view(dtype).reshape(box_shape(p.rel)))
                 del y, x
                 with self._lock:
-                    self._held -= sum(b.nbytes for b in bufs.values())
+                    self._held -= sum(b.nbytes for b in bufs.values()) + exchange
+                del bufs
                 for k in [k for k, last in last_slab.items() if last == j]:
                     done[g.wants[k].index] = self._place(g, k, shards, local)
+                # The slab's buffers, its zeros and the psum's output are free now; slabs are
+                # below glibc's dynamic mmap threshold, so without this the holes stayed
+                # resident beside the next slab's (64 MiB tree, 32 MiB budget, 2 and 4 processes
+                # on disk: peak RSS growth 145-149 MiB; 116-117 with MALLOC_MMAP_THRESHOLD_
+                # fixed; 124-129 with these trims).
+                return_to_os()
         finally:  # (after a failure, the read in flight is waited for: it holds no lock anyone needs)
             pool.shutdown(cancel_futures=True)
         return done
@@ -448,6 +480,8 @@ class SharedRestore:
                     a = cast_values(a, dtype, display_path(rec.path), w.lossy_ok, held_note(w, saved))
                 view = bufs[slot][p.offset:p.offset + p.nbytes].view(dtype).reshape(box_shape(box))
                 view[relative(part, box) + (...,)] = a
+        regions = a = view = None  # (dropped before the trim below)
         with self._lock:
             self._held -= held
+        return_to_os()  # the chunks read, copied into the slab: their holes go back (as above)
         return bufs
