@@ -1,8 +1,11 @@
 """The Coordinator of a multi-process job: the jax.distributed key-value store.
 
-Every exchange of a save is a set of keys under ``jax_ckpt/<save id>/<phase>/``: an all-gather
-is one key per process, a broadcast is process 0's key. Processes poll for the keys they wait on
-(blocking reads with a short deadline, so waiting costs no CPU and ends as soon as the key
+Every exchange of a save is a set of keys under ``jax_ckpt/<save id>/<phase>/``: a gather is
+one key per process, read by process 0 alone (each value once); a broadcast is process 0's key,
+read by every other process once. A save exchanges O(1) bytes per process (statuses name the
+process's index object in storage; its chunk checksums never pass through the service), so the
+service carries O(processes) per save, not O(processes^2). Processes poll for the keys they wait
+on (blocking reads with a short deadline, so waiting costs no CPU and ends as soon as the key
 appears); no device collectives are involved.
 
 Telling a dead process from a slow one: while a process is inside a save it bumps its own
@@ -36,6 +39,10 @@ TIMEOUT_ENV = "CKPT_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 60.0
 
 _OK, _FAILED = b"\x00", b"\x01"
+
+# Above this many processes missing, a waiter lists every life counter in one call instead of
+# reading the missing ones one by one (either way O(processes) per slice, only while waiting).
+LIFE_LISTING = 16
 
 
 def coordination_timeout() -> float:
@@ -83,7 +90,9 @@ class _SignsOfLife:
             timeout = coordination_timeout()
         except CheckpointError:  # a bad setting is reported by the exchange that reads it
             timeout = DEFAULT_TIMEOUT_S
-        interval = min(2.0, max(0.05, timeout / 6))
+        # Six signs per timeout: a waiter sees one well within it. Each costs the service one
+        # small write per process: at most one per 10 s, so a long wait stays cheap (issue 23).
+        interval = min(10.0, max(0.05, timeout / 6))
         while True:
             with self._cond:
                 if self._active == 0:
@@ -126,6 +135,13 @@ class DistributedCoordinator:
         got = self._collect(key, range(self.process_count))
         return [got[p] for p in range(self.process_count)]
 
+    def gather(self, key: str, value: bytes) -> list[bytes] | None:
+        if self.process_index != 0:
+            self._post(key, value)
+            return None
+        got = self._collect(key, range(1, self.process_count))
+        return [value] + [got[p] for p in range(1, self.process_count)]
+
     def broadcast(self, key: str, make: Callable[[], bytes]) -> bytes:
         if self.process_index == 0:
             try:
@@ -155,6 +171,48 @@ class DistributedCoordinator:
         except Exception:  # cleanup only; a lost service is reported by the next exchange
             pass
 
+    def watch(self, done: Callable[[], bool], key: str) -> None:
+        """Wait until `done()` (a collective every process entered) while watching the others:
+        one that shows no sign of life for ``CKPT_TIMEOUT_S`` (killed or stopped inside it) is
+        named in a CheckpointError instead of a hang."""
+        timeout = coordination_timeout()
+        start = time.monotonic()
+        others = [p for p in range(self.process_count) if p != self.process_index]
+        now = start
+        seen = {p: None for p in others}
+        last = {p: start for p in others}
+        pause = 0.0005
+        failed: Exception | None = None  # the collective failed (a peer's connection closed, say)
+        while True:
+            if failed is None:
+                try:
+                    if done():
+                        return
+                except Exception as e:  # noqa: BLE001 (reported naming the peer that went away)
+                    failed, pause = e, 0.05
+            elif now - start > 2 * timeout:
+                raise CheckpointError(f"{self._phase(key)} failed on process {self.process_index}: {failed}")
+            time.sleep(pause)
+            pause = min(0.05, 2 * pause)
+            now = time.monotonic()
+            if failed is None and (now - start < min(1.0, timeout / 5) or pause < 0.05):
+                continue
+            try:
+                life = dict(self._client.key_value_dir_get(f"{NAMESPACE}/alive/"))
+            except Exception as e:
+                raise self._lost(key, e) from None
+            for p in others:
+                sign = life.get(self._alive_key(p))
+                if sign != seen[p]:
+                    seen[p], last[p] = sign, now
+            silent = [p for p in others if now - last[p] > timeout]
+            if silent:
+                self._mark_broken(key)
+                raise CheckpointError(
+                    f"process(es) {silent} showed no sign of life for {timeout:g} s ({TIMEOUT_ENV}) during "
+                    f"{self._phase(key)}: crashed or hung (process {self.process_index} waited {now - start:.1f} s)"
+                )
+
     # -- waiting -------------------------------------------------------------------------------
 
     @staticmethod
@@ -164,7 +222,8 @@ class DistributedCoordinator:
     @staticmethod
     def _phase(key: str) -> str:
         save_id, _, phase = key.partition("/")
-        return f"the {phase!r} phase of save {save_id}"
+        what = "restore" if phase.startswith("restore") else "save"  # (restores of replicated leaves)
+        return f"the {phase!r} phase of {what} {save_id}"
 
     def _post(self, key: str, value: bytes) -> None:
         try:
@@ -184,28 +243,44 @@ class DistributedCoordinator:
             self._broken.add(key.split("/", 1)[0])
 
     def _collect(self, key: str, processes) -> dict[int, bytes]:
-        """The values processes posted under `key`, waiting for them while they show signs of life."""
+        """The values processes posted under `key`, waiting for them while they show signs of life.
+
+        Each value is fetched once: one listing of the key's directory first (what is posted by
+        then), then a blocking read of each value still missing, in turn. While waiting, only the
+        counters of the processes still missing are read (one listing of them all while more
+        than LIFE_LISTING are missing): a waiter costs the service O(1) per missing process and
+        per slice, never the whole directory again (issue 23: at 1,024 processes the old loop
+        re-read every status every second)."""
         timeout = coordination_timeout()
         directory = f"{NAMESPACE}/{key}/"
         wanted = set(processes)
         got: dict[int, bytes] = {}
         start = time.monotonic()
-        seen_life = {p: None for p in wanted}
+        seen_life: dict[int, str | None] = {p: None for p in wanted}
         last_life = {p: start for p in wanted}
-        slice_ms = int(1000 * min(1.0, max(0.01, timeout / 5)))
+        # A blocking read returns as soon as its key appears; the slice only sets how often the
+        # missing processes' signs of life are looked at (a silence is seen within timeout/5).
+        slice_ms = int(1000 * min(12.0, max(0.01, timeout / 5)))
         try:
-            while True:
+            if len(wanted) > 1:
                 for name, value in self._client.key_value_dir_get_bytes(directory):
                     p = int(name.rsplit("/", 1)[1])
                     if p in wanted:
                         got[p] = value
+            while True:
                 missing = sorted(wanted - got.keys())
                 if not missing:
                     return got
+                try:
+                    got[missing[0]] = self._client.blocking_key_value_get_bytes(
+                        f"{directory}{missing[0]}", slice_ms
+                    )
+                    continue
+                except Exception as e:
+                    if _status(e) != "DEADLINE_EXCEEDED":
+                        raise
                 now = time.monotonic()
-                life = dict(self._client.key_value_dir_get(f"{NAMESPACE}/alive/"))
-                for p in missing:
-                    sign = life.get(self._alive_key(p))
+                for p, sign in self._life_of(missing).items():
                     if sign != seen_life[p]:
                         seen_life[p], last_life[p] = sign, now
                 silent = [p for p in missing if now - last_life[p] > timeout]
@@ -216,17 +291,25 @@ class DistributedCoordinator:
                         f"life for {timeout:g} s ({TIMEOUT_ENV}): crashed or hung "
                         f"(process {self.process_index} waited {now - start:.1f} s)"
                     )
-                try:
-                    got[missing[0]] = self._client.blocking_key_value_get_bytes(
-                        f"{directory}{missing[0]}", slice_ms
-                    )
-                except Exception as e:
-                    if _status(e) != "DEADLINE_EXCEEDED":
-                        raise
         except CheckpointError:
             raise
         except Exception as e:
             raise self._lost(key, e) from None
+
+    def _life_of(self, missing: list[int]) -> dict[int, str | None]:
+        """The life counters of the `missing` processes (None: never posted)."""
+        if len(missing) > LIFE_LISTING:
+            life = dict(self._client.key_value_dir_get(f"{NAMESPACE}/alive/"))
+            return {p: life.get(self._alive_key(p)) for p in missing}
+        out: dict[int, str | None] = {}
+        for p in missing:
+            try:
+                out[p] = self._client.key_value_try_get(self._alive_key(p))
+            except Exception as e:
+                if _status(e) != "NOT_FOUND":
+                    raise
+                out[p] = None
+        return out
 
 
 _coordinator: DistributedCoordinator | None = None

@@ -651,6 +651,13 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError(f"checkpoint manager for {self.directory} is closed")
 
+    @property
+    def last_save_stats(self) -> dict | None:
+        """Figures of the last save this manager committed (None before the first): its
+        ``step``, and ``process`` and ``job`` as ``SaveHandle.stats`` gives them (durations per
+        process, bytes, requests, the slowest process; docs/multihost.md)."""
+        return getattr(self, "_last_save_stats", None)
+
     def _start_background(self, target, *args, name: str) -> None:
         self._threads = [t for t in self._threads if t.is_alive()]
         # Not a daemon: an interpreter that exits without close() still commits and cleans up.
@@ -676,6 +683,7 @@ class CheckpointManager:
     def _finish_save(self, pending: _Pending) -> None:
         try:
             pending.handle.wait()
+            self._last_save_stats = {"step": pending.step, **(pending.handle.stats or {})}
         except BaseException as e:  # raised to the caller by _finish_pending
             pending.error = e
         finally:

@@ -34,6 +34,7 @@ from ckpt._restore.plan import (  # noqa: E402,F401
     wants_for_mesh,
 )
 from ckpt._restore.read import Reader, RestoreStats
+from ckpt._restore.shared_source import SharedRestore, plan_shared, share_mode
 from ckpt._restore.safetensors_source import CODES, INDEX_NAME, META_KEY, SINGLE_NAME  # noqa: E402,F401
 from ckpt._restore.source import foreign_source, open_native, require_manifest  # noqa: F401 (the door)
 from ckpt.storage import Storage, open_storage
@@ -107,9 +108,14 @@ def _restore_native(storage: Storage, manifest: Manifest, target=None, *, mesh=N
         treedef, pairs = match_target(target, paths, partial=partial)
         wants = [_want_from_target(i, leaves[i], t, allow_lossy_cast) for i, t in pairs]
     stats = RestoreStats()
+    # Leaves replicated on several processes: read once across them, exchanged over collectives
+    # (shared_source.py); first, so that no process enters that agreement after reading the rest.
+    groups, rest = plan_shared([w for w in wants if w is not None], leaves, share_mode(opts), opts.host_budget_bytes)
+    shared = SharedRestore(groups, storage, leaves, verify, stats, opts) if groups else None
+    built = shared.run() if shared is not None else {}
     reader = Reader(storage, leaves, verify, stats, opts)
-    built = reader.run([w for w in wants if w is not None])
-    stats.host_high_water = reader.budget.high_water
+    built.update(reader.run(rest))
+    stats.host_high_water = max(reader.budget.high_water, shared.high_water if shared is not None else 0)
     values = [built[i] if i in built else leaves[i].py_value() for i, _ in pairs]
     if target is None:
         return unflatten(manifest.tree, values), stats

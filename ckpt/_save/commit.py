@@ -43,6 +43,12 @@ from ckpt.storage import NotDurableError, OutcomeUnknownError, Staged, Storage
 
 __all__ = ["TEMP_MARK", "is_temp_name"]
 
+# Where each process but the primary puts its index object in the staged place: the checksums
+# of the chunks it wrote, read once by the primary at the commit (so statuses stay O(1) bytes
+# in the coordination service). '~' never begins a leaf's escaped storage path (except the
+# '~<leaf index>' of a clash, which is never '~index'); the manifest does not reference it.
+INDEX_DIR = "~index"
+
 
 class Coordinator(Protocol):
     """What the save and commit steps need from the processes of a job."""
@@ -57,6 +63,10 @@ class Coordinator(Protocol):
     def all_gather(self, key: str, value: bytes) -> list[bytes]:
         """Every process's `value`, by process index. Raises naming processes that never sent.
         `key` is ``<save id>/<step>``, used once per save."""
+
+    def gather(self, key: str, value: bytes) -> list[bytes] | None:
+        """Every process's `value`, by process index, on the primary (process 0); None on the
+        others, which do not wait. Raises on the primary naming processes that never sent."""
 
     def broadcast(self, key: str, make: Callable[[], bytes]) -> bytes:
         """The primary's `make()`, on every process (if it raises there, the others raise too)."""
@@ -79,6 +89,9 @@ class LocalCoordinator:
         return str(self._count)
 
     def all_gather(self, key: str, value: bytes) -> list[bytes]:
+        return [value]
+
+    def gather(self, key: str, value: bytes) -> list[bytes] | None:
         return [value]
 
     def broadcast(self, key: str, make: Callable[[], bytes]) -> bytes:
@@ -127,7 +140,7 @@ def commit_checkpoint(storage: Storage, staged: Staged, manifest: Manifest, *, o
 
 def commit_written(storage: Storage, staged: Staged, tree: dict, records: list[LeafRecord],
                    specs: dict[int, tuple[str, ArraySpec]], *, overwrite: bool, stacks: list[Stack] = (),
-                   user_metadata: dict | None = None, action: str = "save") -> None:
+                   user_metadata: dict | None = None, action: str = "save", check_files: bool = True) -> None:
     """Step 4 of the protocol, the one way anything becomes a checkpoint (``save`` and
     ``convert``): check that every file written is in the staged place, whole; record the
     CRC-32C of every zarr.json; build the manifest at the lowest format version that describes
@@ -136,11 +149,13 @@ def commit_written(storage: Storage, staged: Staged, tree: dict, records: list[L
     `records`: every leaf as the manifest records it (storage paths with ``staged.prefix``,
     chunk checksums filled in); `specs`: (storage path without the prefix, spec) of every Zarr
     array written, as ``array_specs`` gives them; `stacks` likewise complete. `action` names
-    the operation in messages. On failure see ``after_failed_commit``.
+    the operation in messages. On failure see ``after_failed_commit``. `check_files` False:
+    the files are not listed (a multi-process save checks what its processes reported instead);
+    the zarr.json checksums are computed all the same.
     """
     from ckpt._version import __version__
 
-    zarr_json = _check_written(staged, specs, storage.url, action)
+    zarr_json = _check_written(staged, specs, storage.url, action, check_files)
     # A manifest without stacks is version 1, which every reader reads (_format.records).
     manifest = Manifest(tree, list(records), user_metadata=user_metadata, library_version=__version__,
                         stacks=list(stacks), format_version=STACKS_VERSION if stacks else 1, zarr_json=zarr_json)
@@ -178,7 +193,7 @@ def group_paths(array_paths: Iterable[str], prefix: str) -> set[str]:
 
 
 def _check_written(staged: Staged, specs: dict[int, tuple[str, ArraySpec]], final: str,
-                   action: str = "save") -> dict[str, int]:
+                   action: str = "save", check_files: bool = True) -> dict[str, int]:
     """Check that every file the save wrote is still in the staged place, whole (a save never
     commits what someone removed or truncated meanwhile); return the CRC-32C of every zarr.json,
     keyed as the manifest records them."""
@@ -189,12 +204,15 @@ def _check_written(staged: Staged, specs: dict[int, tuple[str, ArraySpec]], fina
         expected[f"{path}/zarr.json"] = len(meta)
         zarr_json[f"{staged.prefix}{path}/zarr.json"] = crc32c.crc32c(meta)
         chunk_bytes = math.prod(spec.chunk_shape) * spec.dtype.itemsize
-        for index in np.ndindex(*chunk_grid(spec.shape, spec.chunk_shape)):
-            expected[f"{path}/{chunk_key(index)}"] = chunk_bytes
+        if check_files:
+            for index in np.ndindex(*chunk_grid(spec.shape, spec.chunk_shape)):
+                expected[f"{path}/{chunk_key(index)}"] = chunk_bytes
     for group in group_paths((path for path, _ in specs.values()), staged.prefix):
         key = f"{group}/zarr.json" if group else "zarr.json"
         expected[key] = len(GROUP_METADATA)
         zarr_json[staged.prefix + key] = crc32c.crc32c(GROUP_METADATA)
+    if not check_files:
+        return zarr_json
     found = staged.storage.stat_many(expected)
     bad = [f"{staged.storage.where(k)} ({'missing' if found[k] is None else f'{found[k]} of {n} bytes'})"
            for k, n in expected.items() if found[k] is None or (found[k] >= 0 and found[k] != n)]
