@@ -109,6 +109,15 @@ class _SignsOfLife:
                     self._cond.wait(interval)
 
 
+def _silent(lives: dict, seen: dict, last: dict, now: float, timeout: float) -> list[int]:
+    """The processes among `lives` (process -> its sign of life now) whose sign has not changed
+    for more than `timeout` s; `seen` and `last` (the sign and when it last changed) updated."""
+    for p, sign in lives.items():
+        if sign != seen[p]:
+            seen[p], last[p] = sign, now
+    return [p for p in lives if now - last[p] > timeout]
+
+
 class DistributedCoordinator:
     """Coordinator over the jax.distributed client of this process."""
 
@@ -201,11 +210,7 @@ class DistributedCoordinator:
                 life = dict(self._client.key_value_dir_get(f"{NAMESPACE}/alive/"))
             except Exception as e:
                 raise self._lost(key, e) from None
-            for p in others:
-                sign = life.get(self._alive_key(p))
-                if sign != seen[p]:
-                    seen[p], last[p] = sign, now
-            silent = [p for p in others if now - last[p] > timeout]
+            silent = _silent({p: life.get(self._alive_key(p)) for p in others}, seen, last, now, timeout)
             if silent:
                 self._mark_broken(key)
                 raise CheckpointError(
@@ -280,10 +285,7 @@ class DistributedCoordinator:
                     if _status(e) != "DEADLINE_EXCEEDED":
                         raise
                 now = time.monotonic()
-                for p, sign in self._life_of(missing).items():
-                    if sign != seen_life[p]:
-                        seen_life[p], last_life[p] = sign, now
-                silent = [p for p in missing if now - last_life[p] > timeout]
+                silent = _silent(self._life_of(missing), seen_life, last_life, now, timeout)
                 if silent:
                     self._mark_broken(key)
                     raise CheckpointError(

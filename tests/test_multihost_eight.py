@@ -88,13 +88,9 @@ def run_four_b(w: Worker) -> None:
 
 @pytest.fixture(scope="module")
 def seaweed(tmp_path_factory):
-    server = SeaweedFS(str(tmp_path_factory.mktemp("seaweedfs")))
-    server.start()
-    try:
+    with SeaweedFS(str(tmp_path_factory.mktemp("seaweedfs"))) as server:
         server.make_bucket(BUCKET)
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

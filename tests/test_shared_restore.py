@@ -225,11 +225,9 @@ def _check(results, processes: int, tag: str, modes) -> None:
 def seaweed(tmp_path_factory):
     from servers import SeaweedFS
 
-    server = SeaweedFS(str(tmp_path_factory.mktemp("seaweedfs")))
-    server.start()
-    server.make_bucket("shared")
-    yield server
-    server.stop()
+    with SeaweedFS(str(tmp_path_factory.mktemp("seaweedfs"))) as server:
+        server.make_bucket("shared")
+        yield server
 
 
 @pytest.mark.parametrize("processes, devices, layouts, modes", [
