@@ -23,6 +23,13 @@ PACK_LIMIT = 1 << 20
 
 # The default chunk cap (issue 10): see docs/benchmarks.md for the measurement behind it.
 MAX_CHUNK_BYTES = 64 << 20
+# Packed layout (format version 3): the size past which a process begins a new data object.
+# 2 GiB, Orbax's OCDBT target: objects per save stay within 8 per process from ~10 GB a process
+# up (the 70B model at 64 hosts: 11 GB each, 6 objects; at 1,024 hosts: 690 MB, one). Where data
+# objects are assembled in memory (object stores) a save keeps them within a quarter of its
+# host budget, since it holds two assembly buffers of that size.
+PACK_OBJECT_BYTES = 2 << 30
+LAYOUTS = ("auto", "files", "packed")
 
 # host_budget_bytes="unlimited" (or CKPT_HOST_BUDGET_BYTES=unlimited) resolves to this: more
 # bytes than any host has, so every comparison with it passes.
@@ -121,6 +128,15 @@ def _share(value: Any) -> str:
     raise ValueError(f"Options.share_replicas must be True, False or 'auto', got {value!r}")
 
 
+def _layout(value: Any) -> str:
+    """layout as "auto", "files" or "packed" (from the field, else CKPT_LAYOUT)."""
+    text = value if value is not None else (os.environ.get("CKPT_LAYOUT", "").strip().lower() or "auto")
+    if text not in LAYOUTS:
+        where = "Options.layout" if value is not None else "environment variable CKPT_LAYOUT"
+        raise ValueError(f"{where} must be one of {', '.join(LAYOUTS)}, got {text!r}")
+    return text
+
+
 def _seconds(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
         raise ValueError(f"Options.{name} must be a positive number of seconds, got {value!r}")
@@ -187,6 +203,14 @@ class Options:
             across processes; ``True``: from 2; ``False``: every process reads its own replica
             (``CKPT_SHARE_REPLICAS``: ``auto``, ``on``/``1`` or ``off``/``0``; default auto).
             Without replicas across processes a restore is the same either way.
+        layout: how a save lays out its chunks: ``"files"``, one object per chunk (Zarr v3
+            arrays, formats/SPEC.md versions 1-2); ``"packed"``, each process's chunks in a few
+            data objects with an index object per process (format version 3: objects per save
+            grow with processes, not with chunks; docs/multihost.md); ``"auto"``: packed when
+            the save runs on several processes, else files (``CKPT_LAYOUT``; default auto).
+        pack_object_bytes: packed layout: the size at which a data object is written
+            (``CKPT_PACK_OBJECT_BYTES``; default 2 GiB; on object stores at most a quarter of the
+            host budget, since a save assembles data objects in two buffers of that size).
     """
 
     engine: EngineChoice = None
@@ -199,6 +223,8 @@ class Options:
     max_chunk_bytes: int | None = None
     request_timeout_s: float | None = None
     share_replicas: bool | str | None = None
+    layout: str | None = None
+    pack_object_bytes: int | None = None
 
     def resolved(self) -> "Options":
         """A copy with every default filled in (environment variables are read now).
@@ -228,6 +254,9 @@ class Options:
             request_timeout_s=_seconds("request_timeout_s", self.request_timeout_s)
             if self.request_timeout_s is not None else _env_seconds("CKPT_REQUEST_TIMEOUT_S", REQUEST_TIMEOUT_S),
             share_replicas=_share(self.share_replicas),
+            layout=_layout(self.layout),
+            pack_object_bytes=_positive("pack_object_bytes", self.pack_object_bytes)
+            if self.pack_object_bytes is not None else _env_int("CKPT_PACK_OBJECT_BYTES", PACK_OBJECT_BYTES),
         )
 
 

@@ -244,7 +244,7 @@ def export(path: Any, out: Any, *, shard_size: int = DEFAULT_SHARD_SIZE, rename:
         ChecksumError: a chunk does not match its saved checksum.
         OSError: reading the checkpoint or writing `out` failed.
     """
-    from ckpt._restore import Reader, RestoreStats
+    from ckpt._restore import Reader, RestoreStats, packed_reads
 
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
         raise ValueError(f"shard_size must be a positive number of bytes, got {shard_size!r}")
@@ -262,7 +262,7 @@ def export(path: Any, out: Any, *, shard_size: int = DEFAULT_SHARD_SIZE, rename:
         raise FileExistsError(17, f"already holds an export ({', '.join(sorted(existing))}); replace it with "
                               "overwrite=True (ckpt export --overwrite)", directory)
     total = sum(e.nbytes for e in entries)
-    reader = Reader(storage, manifest.leaves, True, RestoreStats(), opts)
+    reader = Reader(packed_reads(storage, manifest), manifest.leaves, True, RestoreStats(), opts)  # v3: via the index
     done = 0
     written: list[tuple[str, str]] = []  # (temporary, final)
     try:

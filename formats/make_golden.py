@@ -83,7 +83,61 @@ def golden_tree_v2(mesh: Mesh) -> dict:
     return tree
 
 
-TREES = {1: golden_tree, 2: golden_tree_v2}
+def golden_tree_v3(mesh: Mesh) -> dict:
+    """Version 2's tree, saved by 4 processes x 2 devices in the packed layout (SPEC section 13),
+    plus arrays whose shards several processes hold (pointers in the index objects): one
+    replicated along the mesh's `data` axis (its shards on processes 0 and 2, 1 and 3) and one
+    replicated on every device (written by one process, found through the others' pointers)."""
+
+    def put(a: np.ndarray, *spec) -> jax.Array:
+        sharding = NamedSharding(mesh, P(*spec))
+        return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
+
+    def global_(x):  # every process passes the same value: one global array of it
+        if not isinstance(x, jax.Array) or not x.is_fully_addressable:  # (device_put made it global)
+            return x
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(put(np.asarray(jax.random.key_data(x))), impl=jax.random.key_impl(x))
+        spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else ()
+        return put(np.asarray(x), *spec)
+
+    tree = jax.tree.map(global_, golden_tree_v2(mesh))
+    tree["name"] = "golden-v3"
+    tree["dp"] = put(np.arange(48 * 40, dtype=np.float32).reshape(48, 40) - 7.5, None, "model")
+    tree["everywhere"] = put(np.arange(3 * 1000, dtype=np.int32).reshape(3, 1000) * 3, None, None)
+    return tree
+
+
+TREES = {1: golden_tree, 2: golden_tree_v2, 3: golden_tree_v3}
+# Version 3 is the layout of multi-process saves: its golden checkpoint is written by real
+# processes under jax.distributed on 127.0.0.1 (this file, run with --worker).
+PROCESSES = {3: 4}
+
+
+def _worker(dest: str, index: int, processes: int, port: int) -> None:
+    import ckpt
+
+    jax.config.update("jax_num_cpu_devices", 8 // processes)
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=processes,
+                               process_id=index, initialization_timeout=60)
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    ckpt.save(dest, golden_tree_v3(mesh))
+    jax.distributed.shutdown()
+
+
+def _save_by_processes(dest: str, processes: int) -> None:
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(k), str(processes), str(port), dest], env=env)
+             for k in range(processes)]
+    codes = [p.wait(timeout=300) for p in procs]
+    if any(codes):
+        raise SystemExit(f"a save process failed: exit codes {codes}")
 
 
 def main(argv=None) -> int:
@@ -92,7 +146,12 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--force", action="store_true", help="replace an existing golden checkpoint")
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)  # index processes port dest
     args = parser.parse_args(argv)
+    if args.worker:
+        index, processes, port, dest = args.worker
+        _worker(dest, int(index), int(processes), int(port))
+        return 0
     dest = os.path.join(HERE, "golden", f"v{FORMAT_VERSION}", "checkpoint")
     if os.path.exists(dest):
         if not args.force:
@@ -100,8 +159,11 @@ def main(argv=None) -> int:
                   "unreleased format version)", file=sys.stderr)
             return 1
         shutil.rmtree(dest)
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
-    ckpt.save(dest, TREES[FORMAT_VERSION](mesh))
+    if FORMAT_VERSION in PROCESSES:
+        _save_by_processes(dest, PROCESSES[FORMAT_VERSION])
+    else:
+        mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+        ckpt.save(dest, TREES[FORMAT_VERSION](mesh))
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(dest) for f in fs)
     print(f"wrote {dest} ({size} bytes)")
     return 0

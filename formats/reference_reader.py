@@ -1,5 +1,6 @@
 """A jax-ckpt reader written from formats/SPEC.md alone: zarr-python, msgpack and numpy (with
-ml_dtypes for bfloat16 and the other extended types). No jax-ckpt, JAX or TensorStore.
+ml_dtypes for bfloat16 and the other extended types). No jax-ckpt, JAX or TensorStore. Format
+version 3 (section 13, the packed layout: no Zarr files) is read with msgpack and numpy alone.
 
     from reference_reader import read_checkpoint
     tree = read_checkpoint("/ckpts/step_00001000")   # dicts, lists, tuples, numpy arrays, values
@@ -16,9 +17,9 @@ import os
 import ml_dtypes
 import msgpack
 import numpy as np
-import zarr
 
-SUPPORTED_VERSION = 2
+SUPPORTED_VERSION = 3
+PACKED_VERSION = 3  # section 13: chunks in data objects, found through per-process index objects
 VALUE_KINDS = {"int", "float", "bool", "complex", "str", "bytes"}
 _ZARR_CORE = set(
     "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 complex64 complex128".split()
@@ -115,6 +116,8 @@ def _array(root: str, leaf: dict, check: bool, stacks: list, checked: set):
     sdtype, encoding = storage_dtype(logical)
     shape = list(leaf["shape"])
     st = leaf["storage"]
+    if st["type"] in ("zarr", "stacked"):
+        import zarr  # (versions 1 and 2 only: version 3 has no Zarr files)
     if st["type"] == "inline":
         stored = np.frombuffer(st["data"], dtype=sdtype.newbyteorder("<")).reshape(shape).astype(sdtype)
     elif st["type"] == "zarr":
@@ -217,12 +220,170 @@ def read_manifest(root: str) -> dict:
     return manifest
 
 
+# ---- version 3, the packed layout (section 13) ----------------------------------------------
+
+INDEX_RECORD = np.dtype([("array", "<i4"), ("chunk", "<i8"), ("object", "<i4"),
+                         ("offset", "<u8"), ("length", "<u8"), ("crc32c", "<u4")])  # 36 bytes
+
+
+def _inside(name, what: str) -> str:
+    """Section 2: a relative path that cannot leave the checkpoint."""
+    parts = name.split("/") if isinstance(name, str) and name else [""]
+    if any(p in ("", ".", "..") or p.startswith(".") or "\\" in p or "\0" in p for p in parts):
+        raise FormatError(f"{what} {name!r} is not a path inside the checkpoint")
+    return name
+
+
+def _read_range(path: str, size: int, offset: int, length: int) -> bytes:
+    """`length` bytes at `offset` of a regular file (no link) of exactly `size` bytes."""
+    if os.path.islink(path) or not os.path.isfile(path):
+        raise FormatError(f"{path} is missing, a link or not a regular file")
+    if os.path.getsize(path) != size:
+        raise FormatError(f"{path} has {os.path.getsize(path)} bytes, its index records {size}")
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
+
+
+class Packed:
+    """Section 13: every process's index object, loaded and checked (a reference reader may load
+    them all; a reader of a large checkpoint reads only those the lookup rule names), and each
+    chunk found by the lookup rule (13.4), read from its data object and checked."""
+
+    def __init__(self, root: str, manifest: dict):
+        section = manifest.get("packed")
+        if not isinstance(section, dict):
+            raise FormatError(f"{root}: a version-3 manifest without a 'packed' section")
+        self.root, self.align = root, section["align"]
+        self.meshes = [(list(m["axis_sizes"]), np.frombuffer(m["processes"], "<u4")) for m in section["meshes"]]
+        self.indexes = [self._load(p, ref) for p, ref in enumerate(section["indexes"])]
+        self.stacks: dict = {}
+
+    def _load(self, p: int, ref: dict) -> tuple:
+        """(name, objects [(name, size)], {(array, chunk): (object, offset, length, crc32c)})."""
+        name = _inside(ref["name"], "index object")
+        data = _read_file(os.path.join(self.root, name))
+        if ref["process"] != p or len(data) != ref["size"] or crc32c(data) != ref["crc32c"]:
+            raise FormatError(f"{name}: index object of process {p} does not match the size and CRC-32C "
+                              "the manifest records")
+        doc = msgpack.unpackb(data, raw=False)
+        if not isinstance(doc, dict) or doc.get("format") != "jax-ckpt-index" or doc.get("process") != p:
+            raise FormatError(f"{name}: not the jax-ckpt-index object of process {p}")
+        objects = [(_inside(o["name"], f"{name}: data object"), o["size"]) for o in doc["objects"]]
+        records = np.frombuffer(doc["chunks"], INDEX_RECORD).tolist()
+        keys = [(array, chunk) for array, chunk, *_ in records]
+        if keys != sorted(set(keys)):
+            raise FormatError(f"{name}: records not sorted by (array, chunk), or one recorded twice")
+        return name, objects, {(a, c): tuple(rest) for a, c, *rest in records}
+
+    def _holders(self, sharding: dict, shape: list, chunk_shape: list, index: tuple) -> list:
+        """13.4 rule 2: the processes whose devices held the shard containing the chunk."""
+        sizes, procs = self.meshes[sharding["mesh_processes"]]
+        names = sharding["mesh"]["axis_names"]
+        size_of = dict(zip(names, sizes))
+        spec = list(sharding["spec"]) + [None] * (len(shape) - len(sharding["spec"]))
+        held = set()
+        for pos, coord in enumerate(np.ndindex(*sizes)):  # row-major mesh positions
+            at = dict(zip(names, coord))
+            for d, entry in enumerate(spec):
+                axes = [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
+                k, parts = 0, 1
+                for a in axes:
+                    k, parts = k * size_of[a] + at[a], parts * size_of[a]
+                step = shape[d] // parts
+                lo = index[d] * chunk_shape[d]
+                if not k * step <= lo < min(lo + chunk_shape[d], shape[d]) <= (k + 1) * step:
+                    break
+            else:
+                held.add(int(procs[pos]))
+        return sorted(held)
+
+    def _locate(self, what: str, array: int, flat: int, index: tuple, st: dict, sharding, shape: list):
+        """13.4: (process, record) of the index entry that locates the chunk."""
+        if st.get("writer") is not None:
+            candidates = [st["writer"]]
+        elif isinstance(sharding, dict) and sharding.get("kind") == "named" and "mesh_processes" in sharding:
+            candidates = self._holders(sharding, shape, st["chunk_shape"], index)[:1]
+        else:
+            candidates = range(len(self.indexes))
+        for p in candidates:
+            rec = self.indexes[p][2].get((array, flat))
+            if rec is None:
+                continue
+            if rec[0] < 0:  # a pointer: process -1 - object wrote it
+                q = -1 - rec[0]
+                rec = self.indexes[q][2].get((array, flat)) if q < len(self.indexes) else None
+                if rec is None or rec[0] < 0:
+                    raise FormatError(f"{what}: chunk {list(index)}: {self.indexes[p][0]} points to process {q}, "
+                                      "whose index does not locate it")
+                p = q
+            return p, rec
+        raise FormatError(f"{what}: chunk {list(index)} is in no index object where section 13.4 says "
+                          f"({', '.join(self.indexes[p][0] for p in candidates)})")
+
+    def array(self, what: str, array: int, st: dict, sharding, shape: list, sdtype: np.dtype, check: bool):
+        """The stored array (storage dtype) of a leaf's zarr record or a stack, chunk by chunk."""
+        chunk_shape = st["chunk_shape"]
+        grid = [math.ceil(n / c) for n, c in zip(shape, chunk_shape)]
+        out = np.empty(shape, sdtype)
+        for flat, index in enumerate(np.ndindex(*grid)):
+            p, (obj, offset, length, crc) = self._locate(what, array, flat, index, st, sharding, shape)
+            index_name, objects, _ = self.indexes[p]
+            if obj >= len(objects) or length != math.prod(chunk_shape) * sdtype.itemsize or offset % (self.align if length >= self.align else min(self.align, 64)):
+                raise FormatError(f"{what}: chunk {list(index)}: {index_name} records {length} bytes at {offset} "
+                                  f"of object {obj}")
+            name, size = objects[obj]
+            places = st.get("places")
+            if places is not None and list(places[flat]) != [name, offset, length, crc]:
+                # 13.4: a reader may use the places or the index; both must say the same
+                raise FormatError(f"{what}: chunk {list(index)}: the manifest's place {places[flat]} is not "
+                                  f"{index_name}'s record {[name, offset, length, crc]}")
+            data = _read_range(os.path.join(self.root, name), size, offset, length)
+            if len(data) != length:
+                raise FormatError(f"{what}: chunk {list(index)} lies beyond the end of {name}")
+            chunk = np.frombuffer(data, sdtype.newbyteorder("<")).reshape(chunk_shape)
+            box = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, chunk_shape, shape))
+            part = chunk[tuple(slice(0, b.stop - b.start) for b in box)]  # a partial edge chunk: the part inside
+            if check and crc32c(np.ascontiguousarray(part).tobytes()) != crc:
+                raise FormatError(f"{what}: chunk {list(index)} ({name} at {offset}) does not match its CRC-32C")
+            out[box] = part
+        return out
+
+    def leaf(self, i: int, leaf: dict, stacks: list, check: bool):
+        """Leaf `i` of a version-3 manifest: section 5.1, with zarr and stacked storage in data
+        objects (inline as before)."""
+        st = leaf["storage"]
+        if st["type"] not in ("zarr", "stacked"):
+            return _array(self.root, leaf, check, stacks, set())
+        logical = logical_dtype(leaf["dtype"])
+        sdtype, encoding = storage_dtype(logical)
+        shape = list(leaf["shape"])
+        if st["type"] == "zarr":
+            if st["data_type"] != sdtype.name or st["encoding"] != encoding:
+                raise FormatError(f"{leaf['path']}: storage {st['data_type']}/{st['encoding']} does not match {logical}")
+            stored = self.array(leaf["path"], i, st, leaf["sharding"], shape, sdtype, check)
+        else:
+            s = st["stack"]
+            stack = stacks[s]
+            if stack["dtype"] != leaf["dtype"] or list(stack["shape"][1:]) != shape:
+                raise FormatError(f"{leaf['path']}: stack {s} holds {stack['dtype']} {stack['shape'][1:]}")
+            if s not in self.stacks:
+                self.stacks[s] = self.array(f"stack {s}", -1 - s, stack, None, list(stack["shape"]), sdtype, check)
+            stored = self.stacks[s][st["index"]]
+        value = decode(stored, logical, encoding)
+        return value[()] if leaf["kind"] == "numpy.scalar" else value
+
+
 def read_leaves(root: str, check: bool = True) -> list:
     """Every leaf's value, by leaf index."""
     manifest = read_manifest(root)
     if check:
         _check_zarr_json(root, manifest)
     stacks = manifest.get("stacks", []) if manifest["format_version"] >= 2 else []
+    if manifest["format_version"] >= PACKED_VERSION:
+        packed = Packed(root, manifest)
+        return [_value(leaf) if leaf["kind"] in VALUE_KINDS else packed.leaf(i, leaf, stacks, check)
+                for i, leaf in enumerate(manifest["leaves"])]
     checked: set = set()
     return [_value(leaf) if leaf["kind"] in VALUE_KINDS else _array(root, leaf, check, stacks, checked)
             for leaf in manifest["leaves"]]

@@ -400,6 +400,10 @@ class FaultyStorage(WrapperStorage):
     def put(self, key, data):
         return self._call("put", self.where(key), self.inner.put, key, data)
 
+    def open_pack(self, key):
+        where = self.where(key)
+        return _FaultyPack(self, self._call("open_pack", where, self.inner.open_pack, key), where)
+
     def put_if_absent(self, key, data):
         return self._call("put_if_absent", self.where(key), self.inner.put_if_absent, key, data)
 
@@ -471,10 +475,27 @@ class FaultyStorage(WrapperStorage):
         return self._call("lock_saves", self.url, self.inner.lock_saves)
 
 
+class _FaultyPack:
+    """A data object of the packed layout opened through a FaultyStorage: its chunk writes
+    (``write_at``) and its close (``close_pack``) are operations the faults see."""
+
+    def __init__(self, storage, inner, where):
+        self.storage, self.inner, self.where = storage, inner, where
+
+    def write_at(self, offset, data):
+        return self.storage._call("write_at", self.where, self.inner.write_at, offset, data)
+
+    def close(self, size):
+        return self.storage._call("close_pack", self.where, self.inner.close, size)
+
+
 def write_hook_options(before: Callable[[np.ndarray], None]) -> ckpt.Options:
-    """Options whose storage calls ``before(data)`` ahead of every chunk write of this process."""
+    """Options whose storage calls ``before(data)`` ahead of every chunk write of this process
+    (in the packed layout on local disk: each chunk's write into its data object)."""
     faults = Faults()
     faults.before("write_chunk", lambda handle, box, data: before(data))
+    # (the packed layout of multi-process saves writes its chunks into data objects in place)
+    faults.before("write_at", lambda offset, data: before(data))
     return faults.options()
 
 

@@ -23,7 +23,8 @@ import ckpt
 FORMATS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "formats")
 GOLDEN_V1 = os.path.join(FORMATS, "golden", "v1", "checkpoint")
 GOLDEN_V2 = os.path.join(FORMATS, "golden", "v2", "checkpoint")
-GOLDEN = {"golden_v1": GOLDEN_V1, "golden_v2": GOLDEN_V2}
+GOLDEN_V3 = os.path.join(FORMATS, "golden", "v3", "checkpoint")
+GOLDEN = {"golden_v1": GOLDEN_V1, "golden_v2": GOLDEN_V2, "golden_v3": GOLDEN_V3}
 
 
 def _load(name):
@@ -135,6 +136,46 @@ def test_golden_v2_restores_to_the_stated_values_and_onto_a_mesh():
             assert np.array_equal(np.asarray(shard.data), want[path][shard.index]), (path, shard.index)
 
 
+# What formats/make_golden.py wrote for format version 3 (4 processes x 2 devices, the packed
+# layout, SPEC section 13): version 2's values (name aside), plus an array replicated along the
+# mesh's data axis (pointers in the index objects) and one replicated everywhere.
+def _golden_v3_expected():
+    want = {**_golden_v2_expected(), "name": "golden-v3"}
+    want["dp"] = np.arange(48 * 40, dtype=np.float32).reshape(48, 40) - 7.5
+    want["everywhere"] = np.arange(3 * 1000, dtype=np.int32).reshape(3, 1000) * 3
+    return want
+
+
+def test_golden_v3_restores_to_the_stated_values_and_onto_meshes():
+    from ckpt._format import INDEX_DTYPE
+
+    want = _golden_v3_expected()
+    out = ckpt.restore(GOLDEN_V3)
+    for path, value in want.items():
+        _assert_same_value(_get(out, path), value, path)
+    manifest = _manifest(GOLDEN_V3)
+    assert manifest["format_version"] == 3 and len(manifest["packed"]["indexes"]) == 4
+    storage = {l["path"]: l["storage"] for l in manifest["leaves"] if l.get("storage", {}).get("type") == "zarr"}
+    shardings = {l["path"]: l["sharding"] for l in manifest["leaves"] if l.get("sharding")}
+    # What the lookup rule of SPEC 13.5 has to cover: places, writers, mesh tables and pointers.
+    assert storage["everywhere"]["places"] and storage["everywhere"]["writer"] in range(4)
+    assert shardings["dp"]["mesh_processes"] == 0 and "writer" not in storage["dp"]
+    entries = [np.frombuffer(msgpack.unpackb(open(os.path.join(GOLDEN_V3, "~index", str(p)), "rb").read())["chunks"],
+                             INDEX_DTYPE) for p in range(4)]
+    assert sum(int((e["object"] < 0).sum()) for e in entries) > 0  # pointers
+    assert not any(name == "zarr.json" for _, _, files in os.walk(GOLDEN_V3) for name in files)
+    # Onto meshes: the saved 2x4, and 4x2 (every process's chunks read through another layout).
+    for shape in ((2, 4), (4, 2)):
+        mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), ("data", "model"))
+        out = ckpt.restore(GOLDEN_V3, mesh=mesh)
+        for path, spec in [("dp", P(None, "model")), ("layers/1/kernel", P("data", "model")),
+                           ("everywhere", P()), ("params/dense/kernel", P("data", "model"))]:
+            arr = _get(out, path)
+            assert arr.sharding.is_equivalent_to(NamedSharding(mesh, spec), arr.ndim), path
+            for shard in arr.addressable_shards:
+                assert np.array_equal(np.asarray(shard.data), want[path][shard.index]), (path, shard.index)
+
+
 def test_golden_checkpoints_are_tiny_and_exist_for_every_version():
     from ckpt._format.records import FORMAT_VERSION
 
@@ -222,7 +263,7 @@ def _assert_same_tree(got, want, where="<root>"):
         assert type(got) is type(want) and got == want, (where, got, want)
 
 
-@pytest.mark.parametrize("which", ["golden_v1", "golden_v2", "fresh"])
+@pytest.mark.parametrize("which", ["golden_v1", "golden_v2", "golden_v3", "fresh"])
 def test_reference_reader_returns_what_restore_returns(which, fresh):
     path = GOLDEN.get(which, fresh)
     by_spec = reference.read_checkpoint(path)
@@ -248,10 +289,10 @@ def test_reference_reader_refuses_damage_and_newer_versions(fresh, tmp_path):
         reference.read_checkpoint(bad)
     newer = str(tmp_path / "newer")
     shutil.copytree(GOLDEN_V1, newer)
-    _rewrite_manifest(newer, lambda m: m.update(format_version=3))
-    with pytest.raises(reference.FormatError, match="newer"):
+    _rewrite_manifest(newer, lambda m: m.update(format_version=4))
+    with pytest.raises(reference.FormatError, match="format_version 4 is newer"):
         reference.read_checkpoint(newer)
-    with pytest.raises(ckpt.CheckpointError, match="format_version 3 is newer"):
+    with pytest.raises(ckpt.CheckpointError, match="format_version 4 is newer"):
         ckpt.restore(newer)
 
 
@@ -331,7 +372,7 @@ def _manifest(root):
         return msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
 
 
-@pytest.mark.parametrize("which", ["golden_v1", "golden_v2", "fresh"])
+@pytest.mark.parametrize("which", ["golden_v1", "golden_v2", "golden_v3", "fresh"])
 def test_manifests_match_the_json_schema(which, fresh):
     schema = _schema()
     manifest = _manifest(GOLDEN.get(which, fresh))

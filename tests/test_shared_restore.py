@@ -153,6 +153,9 @@ def run_shared_job(w: Worker) -> None:
 
                 read_chunk = read_chunk_async
 
+                def read_range(self, key, start, length, into=None):  # (packed layout: data objects)
+                    raise OSError(5, "Input/output error (injected)")
+
             return Failing(open_storage(location, dataclasses.replace(options, engine=None)))
 
         try:
@@ -182,6 +185,12 @@ def run_fault_job(w: Worker) -> None:
                 if w.index == victim and reads["n"] == w.args["at_read"]:
                     os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
                 return super().read_chunk(path, index, nbytes, into)
+
+            def read_range(self, key, start, length, into=None):  # (packed layout: data objects)
+                reads["n"] += 1
+                if w.index == victim and reads["n"] == w.args["at_read"]:
+                    os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+                return super().read_range(key, start, length, into)
 
             read_chunk_async = None  # every read through read_chunk
 

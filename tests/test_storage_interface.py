@@ -92,8 +92,19 @@ def _calls(state: dict) -> list[tuple[str, object]]:
         if displaced is not None:
             displaced.delete_tree("")
 
+    def open_pack(w):
+        if not w.streams_packs:
+            with pytest.raises(NotImplementedError):
+                w.open_pack("d/p")
+            return
+        pack = w.open_pack("d/p")
+        pack.write_at(64, np.arange(4, dtype=np.uint8)).result()
+        pack.close(68).result()
+        assert w.get("d/p", max_bytes=100) == bytes(64) + bytes(range(4))
+
     return [
         ("engine", lambda w: w.engine), ("renames", lambda w: w.renames),
+        ("streams_packs", lambda w: w.streams_packs), ("open_pack", open_pack),
         ("conditional_writes", lambda w: w.conditional_writes), ("reads_into_buffers", lambda w: w.reads_into_buffers),
         ("url", lambda w: w.url), ("name", lambda w: w.name), ("resolved_name", lambda w: w.resolved_name),
         ("where", lambda w: w.where("k")), ("make_dirs", lambda w: w.make_dirs()),

@@ -25,10 +25,13 @@ from ckpt._errors import CheckpointError
 from ckpt._format import dtypes as _dtypes
 
 FORMAT_NAME = "jax-ckpt"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # Stacked storage (small arrays packed into one Zarr array) needs version 2; a manifest without
 # stacks is written as version 1, which every reader reads.
 STACKS_VERSION = 2
+# The packed layout (chunks in a few data objects per process, found through per-process index
+# objects; SPEC section 13) needs version 3.
+PACKED_VERSION = 3
 MANIFEST_NAME = "manifest.msgpack"
 
 # Leaf kinds.
@@ -69,11 +72,23 @@ class ZarrStorage:
     encoding: str
     checksum: str = "crc32c"
     chunk_checksums: tuple[int, ...] = ()  # row-major over the chunk grid; filled at commit
+    # Packed layout (version 3): the one process that wrote every chunk, when one did; its index
+    # object is where a reader finds them (SPEC section 13). None otherwise.
+    writer: int | None = None
+    # Packed layout, arrays written whole by one process (stacks, small arrays): each chunk's
+    # (data object, offset, length, CRC-32C), row-major, so that no reader needs an index object
+    # for them (replicated small arrays would otherwise send every process to many indexes).
+    places: tuple[tuple[str, int, int, int], ...] = ()
 
     def to_record(self) -> dict:
-        return {"type": "zarr", "path": self.path, "chunk_shape": list(self.chunk_shape),
-                "data_type": self.data_type, "encoding": self.encoding, "checksum": self.checksum,
-                "chunk_checksums": list(self.chunk_checksums)}
+        rec = {"type": "zarr", "path": self.path, "chunk_shape": list(self.chunk_shape),
+               "data_type": self.data_type, "encoding": self.encoding, "checksum": self.checksum,
+               "chunk_checksums": list(self.chunk_checksums)}
+        if self.writer is not None:
+            rec["writer"] = self.writer
+        if self.places:
+            rec["places"] = [list(p) for p in self.places]
+        return rec
 
 
 @dataclass(frozen=True)
@@ -189,6 +204,10 @@ class Manifest:
     # written before the format recorded them.
     zarr_json: dict[str, int] | None = None
     stacks: list[Stack] = field(default_factory=list)  # format version 2
+    # Format version 3, packed layout: the manifest's "packed" section as written (a map), and
+    # as validated (a PackedLayout, set by the reader's checks).
+    packed: dict | None = None
+    layout: Any = field(default=None, compare=False, repr=False)
 
     def encode(self) -> bytes:
         doc = {
@@ -204,6 +223,8 @@ class Manifest:
             doc["stacks"] = [s.to_record() for s in self.stacks]
         if self.zarr_json is not None:
             doc[ZARR_JSON_KEY] = dict(self.zarr_json)
+        if self.packed is not None:
+            doc["packed"] = self.packed
         return seal(doc)
 
 

@@ -23,6 +23,7 @@ from ckpt._format.records import (
     JAX_ARRAY,
     NUMPY_SCALAR,
     PRNG_KEY,
+    PACKED_VERSION,
     STACKS_VERSION,
     InlineStorage,
     LeafRecord,
@@ -233,7 +234,7 @@ def _check_stacked(storage: dict, shape: tuple[int, ...], logical: str, stacks: 
     return StackedStorage(s, k, stack)
 
 
-def _check_stacks(stacks: Any, version: int) -> list[Stack]:
+def _check_stacks(stacks: Any, version: int, packed: bool = False) -> list[Stack]:
     """The manifest's stacks (format version 2, SPEC section 7.1): Zarr arrays whose first
     dimension indexes same-shaped members and whose chunks split only that dimension."""
     if stacks is None or version < STACKS_VERSION:
@@ -252,7 +253,7 @@ def _check_stacks(stacks: Any, version: int) -> list[Stack]:
                 raise _Bad(f"dtype {_show(dtype)} is not one of the dtypes jax-ckpt writes")
             if math.prod(shape) * _dtypes.dtype_from_name(dtype).itemsize > MAX_ARRAY_BYTES:
                 raise _Bad(f"shape {list(shape)} of {dtype} is larger than {MAX_ARRAY_BYTES} bytes")
-            zarr = _check_storage({**st, "type": "zarr"}, shape, dtype)
+            zarr = _check_storage({**st, "type": "zarr"}, shape, dtype, packed=packed)
             if zarr.chunk_shape[1:] != shape[1:]:
                 raise _Bad(f"chunk_shape {list(zarr.chunk_shape)} splits a member (shape {list(shape[1:])})")
         except _Bad as e:
@@ -262,7 +263,7 @@ def _check_stacks(stacks: Any, version: int) -> list[Stack]:
 
 
 def _check_storage(storage: Any, shape: tuple[int, ...], logical: str,
-                   stacks: list[Stack] = ()) -> InlineStorage | ZarrStorage | StackedStorage:
+                   stacks: list[Stack] = (), packed: bool = False) -> InlineStorage | ZarrStorage | StackedStorage:
     storage_dtype, encoding = _dtypes.storage_of(_dtypes.dtype_from_name(logical))
     if isinstance(storage, dict) and storage.get("type") == "stacked" and stacks:
         return _check_stacked(storage, shape, logical, stacks)
@@ -286,13 +287,38 @@ def _check_storage(storage: Any, shape: tuple[int, ...], logical: str,
     if storage.get("checksum") != "crc32c":
         raise _Bad(f"unknown checksum algorithm {_show(storage.get('checksum'))}")
     sums, want = storage.get("chunk_checksums"), math.prod(chunk_grid(shape, chunk_shape))
+    if packed:  # (version 3: the checksums are in the index objects, SPEC section 13)
+        want = 0
     if not isinstance(sums, list) or len(sums) != want or not all(_is_int(s) and 0 <= s < 2**32 for s in sums):
         got = len(sums) if isinstance(sums, list) else type(sums).__name__
         raise _Bad(f"chunk_checksums has {got} entries, expected {want} 32-bit values")
-    return ZarrStorage(path, chunk_shape, storage_dtype.name, encoding, "crc32c", tuple(sums))
+    writer = storage.get("writer") if packed else None
+    if writer is not None and not (_is_int(writer) and writer >= 0):
+        raise _Bad(f"writer {_show(writer)} is not a process index")
+    places = _check_places(storage.get("places"), math.prod(chunk_grid(shape, chunk_shape)),
+                           math.prod(chunk_shape) * storage_dtype.itemsize) if packed else ()
+    return ZarrStorage(path, chunk_shape, storage_dtype.name, encoding, "crc32c", tuple(sums), writer, places)
 
 
-def _check_leaf(rec: Any, tree_path: str, stacks: list[Stack] = (), seen: list | None = None) -> LeafRecord:
+def _check_places(places: Any, chunks: int, chunk_bytes: int) -> tuple:
+    """Version 3: the places of an array's chunks recorded in the manifest, or ()."""
+    if places is None:
+        return ()
+    if not isinstance(places, list) or len(places) != chunks:
+        raise _Bad(f"places has {len(places) if isinstance(places, list) else _show(places)} entries, "
+                   f"expected one per chunk ({chunks})")
+    out = []
+    for p in places:
+        if not (isinstance(p, list) and len(p) == 4 and isinstance(p[0], str) and all(_is_int(x) for x in p[1:])
+                and p[1] >= 0 and p[2] == chunk_bytes and 0 <= p[3] < 2**32):
+            raise _Bad(f"place {_show(p)} is not [data object, offset, {chunk_bytes}, CRC-32C]")
+        check_storage_path(p[0], "data object")
+        out.append((p[0], p[1], p[2], p[3]))
+    return tuple(out)
+
+
+def _check_leaf(rec: Any, tree_path: str, stacks: list[Stack] = (), seen: list | None = None,
+                packed: bool = False) -> LeafRecord:
     """`rec` checked and typed; `seen`: [(sharding as recorded, rank), checked sharding] of the
     leaf checked before, updated here (a whole manifest is checked with one)."""
     if not isinstance(rec, dict):
@@ -336,8 +362,29 @@ def _check_leaf(rec: Any, tree_path: str, stacks: list[Stack] = (), seen: list |
             seen[:] = [(raw, logical_ndim), sharding]
     if sharding is None and kind in (JAX_ARRAY, PRNG_KEY):
         raise _Bad(f"a {kind} leaf has no sharding")
-    storage = _check_storage(rec.get("storage"), shape, dtype, stacks)
+    storage = _check_storage(rec.get("storage"), shape, dtype, stacks, packed)
     return LeafRecord(path, kind, shape, dtype, sharding, storage, None, impl)
+
+
+def _check_packed_refs(leaves: list[LeafRecord], stacks: list[Stack], layout: Any) -> None:
+    """Version 3: every `writer` is one of the save's processes, every `mesh_processes` one of the
+    manifest's meshes, of the sharding's axis sizes."""
+    processes = len(layout.indexes)
+    for where, st in [(f"leaf {l.path!r}", l.zarr) for l in leaves if l.zarr is not None] + \
+                     [(f"stack {i}", s.zarr) for i, s in enumerate(stacks)]:
+        if st.writer is not None and st.writer >= processes:
+            raise _Bad(f"{where}: writer {st.writer} is not one of the save's {processes} processes")
+    for l in leaves:
+        sh = l.sharding
+        if not sh or sh.get("kind") != "named" or "mesh_processes" not in sh:
+            continue
+        m = sh["mesh_processes"]
+        if not _is_int(m) or not 0 <= m < len(layout.meshes):
+            raise _Bad(f"leaf {l.path!r}: mesh_processes {_show(m)} is not one of the manifest's "
+                       f"{len(layout.meshes)} meshes")
+        if tuple(layout.meshes[m][0]) != tuple(sh["mesh"]["axis_sizes"]):
+            raise _Bad(f"leaf {l.path!r}: mesh {m} has axis sizes {list(layout.meshes[m][0])}, "
+                       f"its sharding {list(sh['mesh']['axis_sizes'])}")
 
 
 def _check_layout(leaves: list[LeafRecord], zarr_json: Any, stacks: list[Stack] = ()) -> dict[str, int] | None:
@@ -408,21 +455,29 @@ def manifest_from_doc(doc: Any, where: str) -> Manifest:
         if not isinstance(library_version, str):
             raise _Bad(f"library_version {_show(library_version)} is not a string")
         paths = check_tree(doc["tree"], len(leaves_doc))
-        stacks = _check_stacks(doc.get("stacks"), version)
+        packed = version >= PACKED_VERSION and doc.get("packed") is not None
+        stacks = _check_stacks(doc.get("stacks"), version, packed)
     except _Bad as e:
         raise CheckpointError(f"{where}: manifest is corrupted: {e}") from None
+    layout = None
+    if packed:
+        from ckpt._format.packed import packed_section_check
+
+        layout = packed_section_check(doc["packed"], where)
     leaves, seen = [], [None, None]
     for i, rec in enumerate(leaves_doc):
         try:
-            leaves.append(_check_leaf(rec, paths[i], stacks, seen))
+            leaves.append(_check_leaf(rec, paths[i], stacks, seen, packed))
         except _Bad as e:
             raise CheckpointError(f"{where}: manifest is corrupted: leaf {i} ({display_path(paths[i])!r}): {e}") from None
     try:
-        zarr_json = _check_layout(leaves, doc.get("zarr_json_crc32c"), stacks)
+        zarr_json = _check_layout(leaves, None if packed else doc.get("zarr_json_crc32c"), stacks)
+        if packed:
+            _check_packed_refs(leaves, stacks, layout)
     except _Bad as e:
         raise CheckpointError(f"{where}: manifest is corrupted: {e}") from None
     return Manifest(doc["tree"], leaves, user_metadata=user_metadata, created=float(created),
                     format_version=version, library_version=library_version, zarr_json=zarr_json,
-                    stacks=stacks)
+                    stacks=stacks, packed=doc["packed"] if packed else None, layout=layout)
 
 

@@ -33,6 +33,7 @@ from ckpt._restore.plan import (  # noqa: E402,F401
     plan_leaf_read,
     wants_for_mesh,
 )
+from ckpt._restore.packed_source import packed_reads
 from ckpt._restore.read import Reader, RestoreStats
 from ckpt._restore.shared_source import SharedRestore, plan_shared, share_mode
 from ckpt._restore.safetensors_source import CODES, INDEX_NAME, META_KEY, SINGLE_NAME  # noqa: E402,F401
@@ -62,7 +63,7 @@ def _read_regions_pinned(storage: Storage, leaf_path: str, boxes: list[Box], *, 
     if rec.kind not in ARRAY_KINDS:
         raise CheckpointError(f"leaf {leaf_path!r} is not an array")
     stats = RestoreStats()
-    reader = Reader(storage, manifest.leaves, verify, stats, opts)
+    reader = Reader(packed_reads(storage, manifest), manifest.leaves, verify, stats, opts)
     plan = plan_leaf_read(i, rec.shape, rec.chunk_shape, _dtypes.dtype_from_name(rec.dtype).itemsize, boxes)
     logical = _dtypes.dtype_from_name(rec.dtype)
     regions = reader.read([plan])[i]
@@ -98,6 +99,7 @@ def _restore_native(storage: Storage, manifest: Manifest, target=None, *, mesh=N
     opts = resolve(options)
     if target is not None and mesh is not None:
         raise ValueError("pass either target or mesh, not both")
+    storage = packed_reads(storage, manifest)
     leaves = manifest.leaves
     paths = ["/".join(c) for c in leaf_components(manifest.tree)]
     if target is None:

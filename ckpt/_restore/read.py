@@ -407,14 +407,24 @@ class Reader:
         rec, _ = self._sources[key]
         st = self._array_of(key)
         index = key[2]
-        file = self.storage.where(f"{st.path}/{chunk_key(index)}")
+        packed = not st.chunk_checksums  # format version 3: places and checksums in index objects
+        try:
+            file = (self.storage.chunk_where(st.path, index) if packed
+                    else self.storage.where(f"{st.path}/{chunk_key(index)}"))
+            if packed:
+                want = self.storage.chunk_crc(st.path, index)
+            elif key[0] == "z":
+                want = st.chunk_checksums[flat_chunk_index(index, chunk_grid(rec.shape, st.chunk_shape))]
+            else:
+                want = st.chunk_checksums[index[0]]
+        except CheckpointError:
+            future.result()  # (the read's own error names the chunk and the index object)
+            raise
         if key[0] == "z":
             where = f"leaf {display_path(rec.path)!r}, chunk {list(index)} ({file})"
-            want = st.chunk_checksums[flat_chunk_index(index, chunk_grid(rec.shape, st.chunk_shape))]
         else:
             where = (f"leaf {display_path(rec.path)!r} (member {rec.stacked.index} of stack {rec.stacked.stack}), "
                      f"chunk {list(index)} ({file})")
-            want = st.chunk_checksums[index[0]]
         shape = box_shape(chunk_box(index, st.chunk_shape, self._shape_of(key)))
         dtype = np.dtype(st.data_type).newbyteorder("<")
         chunk_shape = st.chunk_shape

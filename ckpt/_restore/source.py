@@ -17,6 +17,7 @@ from ckpt._format import MANIFEST_NAME, Manifest, find_manifest, is_temp_name, r
 from ckpt._options import Options
 from ckpt._orbax import PYTREE_METADATA, STEP_METADATA, TMP_MARK, step_of
 from ckpt._restore import orbax_source, safetensors_source
+from ckpt._restore.packed_source import packed_reads
 from ckpt.storage import Storage, open_storage
 
 
@@ -47,7 +48,8 @@ def open_native(path: Any, options: Options) -> Iterator[tuple[Storage, Manifest
         if pinned is None:
             yield storage, None
         else:
-            yield pinned, find_manifest(pinned)
+            manifest = find_manifest(pinned)
+            yield packed_reads(pinned, manifest), manifest
 
 
 def foreign_source(path: Any, options: Options | None, resolved: Options) -> Source | None:

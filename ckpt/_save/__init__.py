@@ -37,8 +37,10 @@ from ckpt._options import Options, resolve, save_chunk_cap
 from ckpt._save.commit import (  # noqa: F401
     INDEX_DIR,
     Coordinator,
+    PackedSave,
     after_failed_commit,
     commit_checkpoint,
+    commit_packed,
     commit_written,
     current_coordinator,
     group_paths,
@@ -60,7 +62,7 @@ from ckpt._save.stage import (
     stage,
 )
 from ckpt._save.write import END, _write_chunks, array_specs, metadata_share
-from ckpt.storage import NotDurableError, OutcomeUnknownError, Staged, Storage, open_storage
+from ckpt.storage import NotDurableError, OutcomeUnknownError, PackWriter, Staged, Storage, open_storage
 
 _log = logging.getLogger("ckpt")
 
@@ -303,7 +305,8 @@ except (AttributeError, RuntimeError):  # another Python; or imported while the 
     pass
 
 
-def _fingerprint(final: str, overwrite: bool, tree: dict, leaves: list[Leaf], plan: SavePlan) -> bytes:
+def _fingerprint(final: str, overwrite: bool, tree: dict, leaves: list[Leaf], plan: SavePlan,
+                 layout: str = "files") -> bytes:
     """A hash of what every process must agree on: the inputs of the plan (tree, shapes, dtypes,
     shardings, chunk shapes, path), and the packing of small arrays every process computes alike
     (O(leaves)). Never the writes: each process plans only its own (plan_save's `process`)."""
@@ -315,7 +318,7 @@ def _fingerprint(final: str, overwrite: bool, tree: dict, leaves: list[Leaf], pl
     # Which leaves are packed, and where, follows from shardings and device placement; every
     # process must have come to the same layout.
     packing = [plan.whole, [(st.members, st.process) for st in plan.stacks]]
-    return hashlib.sha256(msgpack.packb([final, overwrite, tree, view, packing], use_bin_type=True)).digest()
+    return hashlib.sha256(msgpack.packb([final, overwrite, tree, view, packing, layout], use_bin_type=True)).digest()
 
 
 def _check_fingerprints(views: list[dict]) -> None:
@@ -334,7 +337,8 @@ def _check_fingerprints(views: list[dict]) -> None:
         odd = sorted(p for g in groups.values() if g is not majority for p in g)
         raise CheckpointError(
             f"processes disagree on what to save: process(es) {odd} have a different tree, shapes, "
-            f"dtypes, shardings, chunk shapes (host_budget_bytes, max_chunk_bytes) or path than process(es) {majority}; nothing was written"
+            f"dtypes, shardings, chunk shapes (host_budget_bytes, max_chunk_bytes), layout (Options.layout, CKPT_LAYOUT) "
+            f"or path than process(es) {majority}; nothing was written"
         )
 
 
@@ -388,6 +392,23 @@ def save_async(path, tree: Any, *, overwrite: bool = False, options: Options | N
                       max_chunk_bytes=max_chunk_bytes)
 
 
+def _packing(plan: SavePlan, shards, opts: Options, budget: SaveBudget, staged: Storage, writes) -> PackedSave:
+    """The packed layout's part of a save. Data objects of `pack_object_bytes`; where the engine
+    writes whole objects (object stores), at most a quarter of the budget, and two assembly
+    buffers of that size (or of this process's bytes, when fewer) from the budget, taken now,
+    before any chunk is staged: the writer never waits for budget the copies hold."""
+    target = opts.pack_object_bytes
+    if not staged.streams_packs:
+        target = min(target, max(budget.limit // 4, 1 << 20))
+    packing = PackedSave(plan, shards, target)
+    if not staged.streams_packs and writes:
+        # (each chunk at most ALIGN bytes of padding before it)
+        mine = sum(w.nbytes for w in writes) + 4096 * len(writes)
+        packing.buffer_bytes = min(target, mine)
+        packing.leases = [budget.acquire(packing.buffer_bytes, buffer=True) for _ in range(1 if mine <= target else 2)]
+    return packing
+
+
 def _save_options(options: Options | None, host_budget_bytes, max_chunk_bytes) -> Options:
     if options is not None and not isinstance(options, Options):
         raise TypeError(f"options must be a ckpt.Options, got {type(options).__name__}")
@@ -420,11 +441,14 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
             finish_array_records(leaves, storage_paths([l.components for l in flat]))
             # (packed chunks stay within the cap too)
             # This process's writes only: the job's plan is never built (issue 23).
-            plan = plan_save(array_shards(leaves), pack_limit=min(opts.pack_limit_bytes, cap),
+            shards = array_shards(leaves)
+            plan = plan_save(shards, pack_limit=min(opts.pack_limit_bytes, cap),
                              stack_chunk_bytes=min(STACK_CHUNK_BYTES, cap), process=coord.process_index)
             stacks = pack_records(leaves, plan)
             my_writes = plan.writes
-            view, own_error = {"plan": _fingerprint(final, overwrite, encoding, leaves, plan)}, None
+            layout = "packed" if opts.layout == "packed" or (opts.layout == "auto" and coord.process_count > 1) \
+                else "files"
+            view, own_error = {"plan": _fingerprint(final, overwrite, encoding, leaves, plan, layout)}, None
         except Exception as e:  # the others learn of it now instead of waiting for this process
             view, own_error = {"error": f"{type(e).__name__}: {e}"}, e
         plan_s = time.perf_counter() - started
@@ -463,6 +487,8 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
     # for the copies to end.
     pressed = sum(w.nbytes for w in my_writes) > budget.limit
     job = _SaveJob(coord, save_id, storage, staged, overwrite, encoding, leaves, user_metadata, opts, stacks)
+    if layout == "packed":
+        job.packing = _packing(plan, shards, opts, budget, staged.storage, my_writes)
     job.stats.update(plan_s=plan_s, bytes=sum(w.nbytes for w in my_writes), writes=len(my_writes))
     handle = SaveHandle(final, lambda: job.run(chunks, copied, budget, pressed), job.cancel)
     handle._job = job  # (SaveHandle.stats)
@@ -594,6 +620,7 @@ class _SaveJob:
         self.stats: dict = {}
         self.job_stats: dict | None = None
         self._own_sums: dict = {}
+        self.packing: PackedSave | None = None  # the packed layout (format version 3), else files
 
     def run(self, chunks: queue.Queue, copied: threading.Event, budget: SaveBudget, pressed: bool) -> None:
         try:
@@ -615,31 +642,48 @@ class _SaveJob:
         error: BaseException | None = None
         sums: dict = {}
         write_start = time.perf_counter()
+        packing = self.packing
+        target: Any = self.staged.storage
+        if packing is not None:
+            packing.writer = target = PackWriter(target, coord.process_index, packing.target_bytes,
+                                                 [lease.buffer[:packing.buffer_bytes] for lease in packing.leases])
         try:
-            sums = _write_chunks(_StopOnCancel(self.staged.storage, self.cancel, final), self.leaves, chunks,
+            sums = _write_chunks(_StopOnCancel(target, self.cancel, final), self.leaves, chunks,
                                  primary, copied, budget, self.options.max_inflight_bytes, self.staged.prefix,
                                  self.stacks, pressed,
                                  # Object stores: at most two requests per I/O slot in flight
                                  # (the engine runs io_concurrency at once; one more each keeps
                                  # them busy), so a failing chunk stops the save within one round.
-                                 max_inflight_writes=None if self.storage.renames else 2 * self.options.io_concurrency,
+                                 max_inflight_writes=None if self.storage.renames or packing else 2 * self.options.io_concurrency,
                                  share=(coord.process_index, coord.process_count))
+            if packing is not None:
+                packing.writer.close()  # every data object durable (or the first failure)
         except BaseException as e:
             error = e
+            if packing is not None:
+                packing.writer.abandon()  # (every write started has ended: the abort may remove them)
+        finally:
+            if packing is not None:
+                for lease in packing.leases:
+                    budget.release(lease)
+                packing.leases = []
         self.stats["write_s"] = time.perf_counter() - write_start
         specs = array_specs(self.leaves, self.stacks)  # (and its share of the zarr.json files)
-        self.stats["requests"] = self.stats.get("writes", 0) + len(
-            metadata_share(specs, coord.process_index, coord.process_count))
-        if primary:
-            self.stats["requests"] += len(group_paths((path for path, _ in specs.values()), self.staged.prefix))
+        if packing is not None:
+            self.stats["requests"] = packing.writer.requests
+        else:
+            self.stats["requests"] = self.stats.get("writes", 0) + len(
+                metadata_share(specs, coord.process_index, coord.process_count))
+            if primary:
+                self.stats["requests"] += len(group_paths((path for path, _ in specs.values()), self.staged.prefix))
         # The point of no return: past it, cancel() refuses; before it, a cancel (here, or on
         # any process: its error reaches the primary) makes the primary abort the save.
         if error is None and not self.cancel.may_commit():
             error = _cancelled(final)
         index = None
-        if error is None and not primary:
+        if error is None and (packing is not None or not primary):
             try:
-                index = self._put_index(sums)
+                index = self._put_packed_index(sums, specs) if packing is not None else self._put_index(sums)
             except BaseException as e:
                 error = e
         self._own_sums = sums
@@ -709,6 +753,18 @@ class _SaveJob:
         self.stats["requests"] = self.stats.get("requests", 0) + 1
         return {"key": key, "size": len(data), "crc": crc32c.crc32c(data)}
 
+    def _put_packed_index(self, sums: dict, specs: dict) -> dict:
+        """Packed layout: write this process's index object (its chunks' places and CRC-32Cs,
+        and pointers to the writers of the chunks it holds and others wrote); return what the
+        status says of it (O(1) bytes: the primary never reads it)."""
+        packing, process = self.packing, self.coord.process_index
+        data = packing.index_object(process, self.staged.prefix, sums, specs)
+        key = f"{INDEX_DIR}/{process}"
+        self.staged.storage.put(key, data).result()
+        self.stats["requests"] = self.stats.get("requests", 0) + 1
+        return {"key": key, "size": len(data), "crc": crc32c.crc32c(data), "chunks": packing.written,
+                "places": packing.places}
+
     def _decide(self, gathered: list[bytes] | None, gather_error: BaseException | None,
                 commit_error: list[BaseException]) -> bytes:
         """The primary's commit step: the outcome every process gets (msgpack)."""
@@ -764,6 +820,14 @@ class _SaveJob:
 
     def _commit(self, statuses: list[dict]) -> None:
         """Gather every process's chunk checksums into the records, then commit_written."""
+        if self.packing is not None:
+            records, stacks, section = self.packing.manifest_parts(self.leaves, self.stacks, statuses,
+                                                                   self.staged.prefix, array_specs(self.leaves, self.stacks))
+            commit_packed(self.storage, self.staged, self.encoding, records, stacks, section,
+                          overwrite=self.overwrite, user_metadata=self.user_metadata,
+                          objects=self.packing.own_objects(statuses, self.coord.process_index)
+                          if self.coord.process_count == 1 else None)
+            return
         collected = self._collect_sums(statuses)
         stacks = []
         for s, stack in enumerate(self.stacks):

@@ -18,6 +18,7 @@ Coordinator: a local one here, the jax.distributed key-value store in ckpt._dist
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Iterable, Protocol
 
@@ -26,19 +27,26 @@ import numpy as np
 
 from ckpt._errors import CheckpointError
 from ckpt._format import (
+    ALIGN,
+    DATA_DIR,
     GENERATION_MARK,
     GROUP_METADATA,
+    INDEX_DTYPE,
+    PACKED_VERSION,
     STACKS_VERSION,
     TEMP_MARK,
     ArraySpec,
     LeafRecord,
     Manifest,
     Stack,
+    StackedStorage,
     array_metadata_bytes,
+    encode_index,
+    packed_section,
     is_temp_name,
     read_manifest,
 )
-from ckpt._geometry import chunk_grid, chunk_key
+from ckpt._geometry import chunk_grid, chunk_index_of, chunk_key, flat_chunk_index
 from ckpt.storage import NotDurableError, OutcomeUnknownError, Staged, Storage
 
 __all__ = ["TEMP_MARK", "is_temp_name"]
@@ -125,6 +133,10 @@ def _old_data(storage: Storage) -> Callable[[], Iterable[str]]:
             return []
         paths = [l.zarr.path for l in old.leaves if l.zarr is not None]
         paths += [s.zarr.path for s in getattr(old, "stacks", ())]
+        if old.layout is not None:  # (format version 3: its index objects, even with no arrays)
+            paths += [ref.name for ref in old.layout.indexes]
+            if any(not ref.name.startswith(GENERATION_MARK) for ref in old.layout.indexes):
+                paths.append(DATA_DIR)  # (the flat layout's data objects, beside ~index)
         tops = {p.split("/", 1)[0] for p in paths}
         tops |= {st.zarr.path.split("/", 1)[0] for st in old.stacks}
         flat = [t for t in tops if not t.startswith(GENERATION_MARK)]
@@ -221,3 +233,138 @@ def _check_written(staged: Staged, specs: dict[int, tuple[str, ArraySpec]], fina
             f"{action} to {final}: {len(bad)} file(s) it wrote are gone or changed before the commit, e.g. {bad[0]} "
             f"(did another process remove the {action}'s temporary data?); nothing was committed")
     return zarr_json
+
+
+# ---- the packed layout (format version 3, formats/SPEC.md section 13) -------------------------
+
+
+class PackedSave:
+    """The packed layout's part of one save: this process's index object, and (the primary's)
+    the manifest's records and ``packed`` section, from the statuses alone: no index object
+    or data object is read or listed at the commit (issue 23).
+
+    `plan`: this process's SavePlan (pointers, stacks' and whole arrays' writers); `shards`:
+    array_shards of the save's leaves (which arrays one process wrote whole); `target_bytes`:
+    the data objects' size (PackWriter)."""
+
+    def __init__(self, plan, shards, target_bytes: int) -> None:
+        self.plan, self.shards, self.target_bytes = plan, shards, target_bytes
+        self.writer = None  # the PackWriter of the save's writes
+        self.written = 0
+        self.leases: list = []  # the assembly buffers' budget (object stores), while writing
+        self.buffer_bytes = 0
+        # Arrays written whole by one process (stacks, small arrays): their places go to the
+        # manifest through the statuses ([array, flat, object, offset, length, crc] each).
+        self.small = {-1 - s for s in range(len(plan.stacks))} | set(plan.whole)
+        self.places: list[list] = []
+
+    def index_object(self, process: int, prefix: str, sums: dict, specs: dict) -> bytes:
+        w = self.writer
+        rows = [(array, flat, obj, offset, length, sums[array][flat])
+                for (array, flat), (obj, offset, length) in w.locations.items()]
+        names = [prefix + key for key, _ in w.objects]
+        self.places = [[a, f, names[o], off, n, crc] for a, f, o, off, n, crc in rows if a in self.small]
+        grids = {a: chunk_grid(spec.shape, spec.chunk_shape) for a, (_, spec) in specs.items()}
+        for leaf, box, writer in self.plan.pointers:
+            spec = specs[leaf][1]
+            flat = flat_chunk_index(chunk_index_of(box, spec.chunk_shape), grids[leaf])
+            rows.append((leaf, flat, -1 - writer, 0, 0, 0))
+        entries = np.sort(np.array(rows, dtype=INDEX_DTYPE), order=["array", "chunk"])
+        self.written = len(w.locations)
+        return encode_index(process, list(zip(names, (size for _, size in w.objects))), entries)
+
+    def own_objects(self, statuses: list[dict], process: int) -> dict[str, int]:
+        """(key, size) of every object this process wrote: what a one-process commit checks."""
+        out = dict(self.writer.objects)
+        out[statuses[process]["index"]["key"]] = statuses[process]["index"]["size"]
+        return out
+
+    def manifest_parts(self, leaves, stacks: list[Stack], statuses: list[dict], prefix: str,
+                       specs: dict) -> tuple[list[LeafRecord], list[Stack], dict]:
+        """(records, stacks, packed section) of the manifest, checked against the statuses: every
+        process wrote an index object, and the chunks they wrote add up to every chunk."""
+        indexes = []
+        for p, s in enumerate(statuses):
+            index = s.get("index")
+            if not index:
+                raise CheckpointError(f"process {p} reported no index object")
+            indexes.append((p, prefix + index["key"], index["size"], index["crc"]))
+        want = sum(math.prod(chunk_grid(spec.shape, spec.chunk_shape)) for _, spec in specs.values())
+        got = sum(s["index"]["chunks"] for s in statuses)
+        if got != want:
+            raise CheckpointError(f"the processes wrote {got} chunks, the save has {want}")
+        placed: dict[int, dict[int, tuple]] = {}
+        for s in statuses:
+            for array, flat, name, offset, length, crc in s["index"].get("places", ()):
+                placed.setdefault(array, {})[flat] = (name, offset, length, crc)
+
+        def places(array: int, spec) -> tuple:
+            got = placed.get(array, {})
+            n = math.prod(chunk_grid(spec.shape, spec.chunk_shape))
+            if len(got) != n:
+                raise CheckpointError(f"array {array}: {len(got)} of its {n} chunks were reported written")
+            return tuple(got[k] for k in range(n))
+
+        new_stacks = [dataclasses.replace(st, zarr=dataclasses.replace(
+            st.zarr, path=prefix + st.zarr.path, chunk_checksums=(), writer=self.plan.stacks[s].process,
+            places=places(-1 - s, specs[-1 - s][1])))
+            for s, st in enumerate(stacks)]
+        writers = dict(self.plan.whole_writers)
+        for a in self.shards:  # arrays one process holds whole (numpy leaves, one device)
+            if a.leaf not in writers:
+                procs = _holder_processes(a.holders)
+                if len(procs) == 1:
+                    writers[a.leaf] = next(iter(procs))
+        meshes: list[tuple] = []
+        mesh_ids: dict = {}
+        records = []
+        for i, leaf in enumerate(leaves):
+            rec = leaf.record
+            if rec.stacked is not None:
+                member = StackedStorage(rec.stacked.stack, rec.stacked.index, new_stacks[rec.stacked.stack])
+                rec = LeafRecord(rec.path, rec.kind, rec.shape, rec.dtype, rec.sharding, member, rec.value, rec.prng_impl)
+            elif rec.zarr is not None:
+                st = dataclasses.replace(rec.zarr, path=prefix + rec.zarr.path, chunk_checksums=(),
+                                         writer=writers.get(i), places=places(i, specs[i][1]) if i in self.small else ())
+                sharding = rec.sharding
+                if st.writer is None and sharding and sharding.get("kind") == "named":
+                    mesh = leaf.source.sharding.mesh
+                    k = mesh_ids.get(mesh)
+                    if k is None:
+                        k = mesh_ids[mesh] = len(meshes)
+                        meshes.append((mesh.devices.shape, [d.process_index for d in mesh.devices.flat]))
+                    sharding = {**sharding, "mesh_processes": k}
+                rec = LeafRecord(rec.path, rec.kind, rec.shape, rec.dtype, sharding, st, rec.value, rec.prng_impl)
+            records.append(rec)
+        return records, new_stacks, packed_section(ALIGN, indexes, meshes)
+
+
+def _holder_processes(holders, _cache: dict = {}) -> frozenset:  # noqa: B006 (per holders map)
+    key = id(holders)
+    hit = _cache.get(key)
+    if hit is None or hit[0] is not holders:
+        hit = _cache[key] = (holders, frozenset(p for h in holders.values() for p, _ in h))
+        if len(_cache) > 256:
+            _cache.clear()
+            _cache[key] = hit
+    return hit[1]
+
+
+def commit_packed(storage: Storage, staged: Staged, tree: dict, records: list[LeafRecord], stacks: list[Stack],
+                  section: dict, *, overwrite: bool, user_metadata: dict | None = None,
+                  objects: dict[str, int] | None = None) -> None:
+    """Step 4 for the packed layout: check `objects` (one process: what it wrote; several: None,
+    the primary trusts the statuses it checked), build the version-3 manifest, commit it."""
+    from ckpt._version import __version__
+
+    if objects:
+        found = staged.storage.stat_many(objects)
+        bad = [f"{staged.storage.where(k)} ({'missing' if found[k] is None else f'{found[k]} of {n} bytes'})"
+               for k, n in objects.items() if found[k] is None or (found[k] >= 0 and found[k] != n)]
+        if bad:
+            raise CheckpointError(
+                f"save to {storage.url}: {len(bad)} object(s) it wrote are gone or changed before the commit, "
+                f"e.g. {bad[0]}; nothing was committed")
+    manifest = Manifest(tree, list(records), user_metadata=user_metadata, library_version=__version__,
+                        stacks=list(stacks), format_version=PACKED_VERSION, packed=section)
+    commit_checkpoint(storage, staged, manifest, overwrite=overwrite)

@@ -348,6 +348,10 @@ class SavePlan:
     writes: tuple[ShardWrite | PackedWrite, ...]
     stacks: tuple[PlannedStack, ...] = ()
     whole: tuple[int, ...] = ()  # leaves packed as single-chunk arrays
+    # With `process` (plan_save): (leaf, chunk box, writer) of every chunk this process holds
+    # and another writes: the pointers of its index object (packed layout, SPEC section 13).
+    pointers: tuple[tuple[int, Box, int], ...] = ()
+    whole_writers: tuple[tuple[int, int], ...] = ()  # (leaf, process) of each leaf in `whole`
 
     def for_process(self, process: int) -> tuple[ShardWrite | PackedWrite, ...]:
         return tuple(w for w in self.writes if w.process == process)
@@ -494,21 +498,24 @@ def plan_save(arrays: Iterable[ArrayShards], *, pack_limit: int = PACK_LIMIT,
                 items.append((a.leaf, part, box_size(part) * a.itemsize, known))
     items.sort(key=lambda it: (len(it[3][1]) > 1, -it[2], it[0], it[1]))
     writes: list = []
+    pointers: list = []
     for leaf, box, nbytes, (_, procs, devices) in items:
         proc = procs[0] if len(procs) == 1 else sets.assign(procs, nbytes)
         if process is not None and proc != process:
+            pointers.append((leaf, box, proc))
             continue
         dev = _least(devices[proc], dev_load, key=lambda d: (proc, d))
         dev_load[(proc, dev)] = dev_load.get((proc, dev), 0) + nbytes
         writes.append(ShardWrite(leaf, box, proc, dev, nbytes))
     writes.sort(key=lambda w: (w.leaf, w.box))
 
-    stacks, whole, packed = [], [], []
+    stacks, whole, packed, whole_writers = [], [], [], []
     for (proc, dtype, shape, itemsize), group in sorted(groups.items(), key=lambda g: min(m[0] for m in g[1])):
         group.sort()
         member_bytes = math.prod(shape) * itemsize
         if len(group) == 1:
             whole.append(group[0][0])
+            whole_writers.append((group[0][0], proc))
             if process is None or proc == process:
                 packed.append(PackedWrite(group[0][0], full_box(shape), proc, (group[0],), member_bytes))
             continue
@@ -523,4 +530,5 @@ def plan_save(arrays: Iterable[ArrayShards], *, pack_limit: int = PACK_LIMIT,
                 part = tuple(members[start:start + per_chunk])
                 box = ((start, start + len(part)),) + full_box(shape)
                 packed.append(PackedWrite(-1 - s, box, proc, part, member_bytes * len(part)))
-    return SavePlan(tuple(writes) + tuple(packed), tuple(stacks), tuple(sorted(whole)))
+    return SavePlan(tuple(writes) + tuple(packed), tuple(stacks), tuple(sorted(whole)), tuple(sorted(pointers)),
+                    tuple(sorted(whole_writers)))

@@ -44,6 +44,8 @@ def _referenced(storage: Storage) -> set[str] | None:
         return None
     paths = [l.zarr.path for l in manifest.leaves if l.zarr is not None]
     paths += [s.zarr.path for s in getattr(manifest, "stacks", ())]
+    if manifest.layout is not None:  # (format version 3: its index objects, even with no arrays)
+        paths += [ref.name for ref in manifest.layout.indexes]
     return {p.split("/", 1)[0] for p in paths if p.startswith(GENERATION_MARK)}
 
 

@@ -143,12 +143,14 @@ def cmd_du(args, opened) -> int:
 # ---- export -----------------------------------------------------------------------------------
 
 def add_export_arguments(c: argparse.ArgumentParser, step_type, step_help: str, size_type) -> None:
-    c.add_argument("out", metavar="OUT", help="local directory to write the files to (created if missing)")
-    c.add_argument("--format", choices=["safetensors"], default="safetensors",
-                   help="output format (default and only one so far: safetensors)")
-    c.add_argument("--shard-size", default="5GB", metavar="SIZE",
+    c.add_argument("out", metavar="OUT", help="local directory to write the files to (created if missing; "
+                                              "with --format zarr, new or empty)")
+    c.add_argument("--format", choices=["safetensors", "zarr"], default="safetensors",
+                   help="output format: safetensors (default), or zarr: plain Zarr v3, one file per chunk, "
+                        "that stock zarr-python and TensorStore read")
+    c.add_argument("--shard-size", metavar="SIZE",
                    help="most tensor bytes per file, as transformers reads max_shard_size: 5GB = 5*10^9, "
-                        "2GiB = 2*2^30 (default 5GB); larger exports get an index")
+                        "2GiB = 2*2^30 (default 5GB); larger exports get an index (safetensors only)")
     c.add_argument("--rename", action="append", default=[], metavar="PATTERN=REPLACEMENT",
                    help="rename tensors with a regular expression (Python re.sub), applied in order after "
                         "--rename-file; a name that becomes empty is dropped. Repeatable")
@@ -156,17 +158,20 @@ def add_export_arguments(c: argparse.ArgumentParser, step_type, step_help: str, 
                    help="JSON object from default names (key paths joined with '.') to names; null drops")
     c.add_argument("--host-budget", type=size_type, metavar="SIZE",
                    help="host memory for chunks in flight (default: Options.host_budget_bytes, a quarter of RAM)")
-    c.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
+    c.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT (of the same format)")
     c.add_argument("--step", type=step_type, metavar="N", help=step_help)
     c.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
-    c.add_argument("--json", action="store_true", help="print one JSON document (files, tensor -> file)")
+    c.add_argument("--json", action="store_true", help="print one JSON document (files, tensor -> file; for zarr, "
+                                                         "leaf path -> Zarr path)")
 
 
 def cmd_export(args, open_checkpoint, options: Options) -> int:
     from ckpt.cli._export import export_document, parse_shard_size, rename_from, render_export
     from ckpt.safetensors import export
 
-    shard_size = parse_shard_size(args.shard_size)
+    if args.format == "zarr":
+        return _cmd_export_zarr(args, open_checkpoint, options)
+    shard_size = parse_shard_size(args.shard_size or "5GB")
     rename = rename_from(args.rename, args.rename_file)
     if args.host_budget is not None:
         options = dataclasses.replace(options, host_budget_bytes=args.host_budget)
@@ -183,3 +188,24 @@ def cmd_export(args, open_checkpoint, options: Options) -> int:
     _print(doc if args.json else render_export(doc), as_json=args.json)
     return 0
 
+
+def _cmd_export_zarr(args, open_checkpoint, options: Options) -> int:
+    from ckpt.cli._export_zarr import export_zarr, render_zarr_export, zarr_export_document
+
+    for flag, given in (("--shard-size", args.shard_size is not None), ("--rename", bool(args.rename)),
+                        ("--rename-file", args.rename_file is not None)):
+        if given:
+            raise ValueError(f"{flag} applies to --format safetensors only (a Zarr export keeps the tree's paths)")
+    if args.host_budget is not None:
+        options = dataclasses.replace(options, host_budget_bytes=args.host_budget)
+    opened = open_checkpoint()
+    refuse_foreign(opened, "export")
+    bar = progress_bar(not args.no_progress, "export")
+    try:
+        result = export_zarr(opened.root, args.out, overwrite=args.overwrite, options=options, progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    doc = zarr_export_document(result, opened.root)
+    _print(doc if args.json else render_zarr_export(doc), as_json=args.json)
+    return 0

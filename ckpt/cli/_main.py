@@ -242,7 +242,7 @@ def _parser() -> argparse.ArgumentParser:
     add_du_arguments(c, _step, step_help)
     c.set_defaults(run=_cmd_du)
 
-    c = command("export", "write the arrays as Hugging Face safetensors files",
+    c = command("export", "write the arrays as Hugging Face safetensors files (or plain Zarr v3)",
                 "Write every array of the checkpoint as safetensors files in OUT: model.safetensors, or "
                 "model-0000K-of-0000N.safetensors plus model.safetensors.index.json when the data is larger "
                 "than --shard-size, as transformers' save_pretrained writes them. Tensor names are the key "
@@ -252,7 +252,13 @@ def _parser() -> argparse.ArgumentParser:
                 "not exported. Chunks are read (and checked against their CRC-32C) block by block within "
                 "the host budget and written in place, so memory stays bounded whatever the size. "
                 "ckpt.restore reads the result back, with or without a mesh.\n\n"
-                "example: ckpt export /ckpts/run1 hf --rename '^params\\.=model.'")
+                "--format zarr writes plain Zarr v3 instead, into a new or empty OUT: an array per leaf at "
+                "its tree path, one file per chunk (the checkpoint's chunks), uncompressed, the logical dtype "
+                "in each array's attributes (jax_ckpt), values (numbers, strings) in the root group's "
+                "attribute jax_ckpt_values; stock zarr-python and TensorStore's zarr3 driver read it, whatever "
+                "the checkpoint's format version.\n\n"
+                "example: ckpt export /ckpts/run1 hf --rename '^params\\.=model.'\n"
+                "example: ckpt export --format zarr /ckpts/run1 run1.zarr")
     c.add_argument("path", metavar="PATH", help=f"checkpoint or manager directory ({where})")
     add_export_arguments(c, _step, step_help, _size)
     c.set_defaults(run=_cmd_export)

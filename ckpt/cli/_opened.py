@@ -15,6 +15,7 @@ from typing import Any, Iterator
 from ckpt._errors import CheckpointError
 from ckpt._format import Manifest
 from ckpt._options import Options, resolve
+from ckpt._restore import packed_reads
 from ckpt.storage import Storage, open_storage
 
 
@@ -29,6 +30,10 @@ class Opened:
     what: str | None = None  # for another format, what it is ("Orbax CheckpointManager step (...)")
     created: float | None = None  # for another format, when it was written, where it says
     source: Any = None  # for another format, what reads its arrays (ckpt.cli._foreign.leaf_reader)
+
+    def __post_init__(self) -> None:
+        if self.format == "jax-ckpt":  # a packed checkpoint's chunks are read through its index
+            object.__setattr__(self, "storage", packed_reads(self.storage, self.manifest))
 
     @property
     def root(self) -> str:

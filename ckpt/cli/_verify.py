@@ -69,6 +69,7 @@ class _ChunkTask:
     box_shape: tuple[int, ...]
     dtype: np.dtype  # storage dtype, little-endian
     expected_crc: int
+    packed: bool = False  # in a data object of the packed layout (format version 3)
 
     @property
     def file_bytes(self) -> int:
@@ -172,7 +173,7 @@ def _check_chunk(storage: Storage, task: _ChunkTask) -> str | None:
         return _without(str(e), task.file)
     except OSError as e:
         return f"cannot read the file ({e.strerror or e})"
-    if not storage.reads_refuse_longer:
+    if not storage.reads_refuse_longer and not task.packed:
         # The engine reads only the recorded size (TensorStore on S3/GCS: a longer object's tail
         # is never read, so restores are unaffected): one ranged read of the byte past the end
         # tells a chunk file longer than recorded (docs/storage.md, "Confined reads").
@@ -204,20 +205,21 @@ def _tasks(storage: Storage, manifest: Manifest, report: VerifyReport) -> list[_
             continue
         report.arrays += 1
         array = st.path
-        why, chunks_readable = _array_metadata_problem(storage, array, st, list(rec.shape),
-                                                       (manifest.zarr_json or {}).get(f"{array}/zarr.json"))
-        if why is not None:
-            report.problems.append(Problem(rec.path, None, storage.where(f"{array}/zarr.json"), why))
-        if not chunks_readable:
-            continue
+        if manifest.layout is None:  # (version 3 has no zarr.json: the manifest holds the metadata)
+            why, chunks_readable = _array_metadata_problem(storage, array, st, list(rec.shape),
+                                                           (manifest.zarr_json or {}).get(f"{array}/zarr.json"))
+            if why is not None:
+                report.problems.append(Problem(rec.path, None, storage.where(f"{array}/zarr.json"), why))
+            if not chunks_readable:
+                continue
         dtype = np.dtype(st.data_type).newbyteorder("<")
         chunk_shape = st.chunk_shape
         grid = chunk_grid(rec.shape, chunk_shape)
         for flat, index in enumerate(np.ndindex(*grid)):
-            tasks.append(_ChunkTask(
-                (i, flat), rec.path, tuple(index), array, storage.where(f"{array}/{chunk_key(index)}"), chunk_shape,
-                box_shape(chunk_box(index, chunk_shape, rec.shape)), dtype, st.chunk_checksums[flat],
-            ))
+            task = _task((i, flat), rec.path, tuple(index), array, chunk_shape,
+                         box_shape(chunk_box(index, chunk_shape, rec.shape)), dtype, st, flat, storage, report)
+            if task is not None:
+                tasks.append(task)
     members: dict[int, list[str]] = {}
     for rec in manifest.leaves:
         if rec.stacked is not None:
@@ -225,22 +227,40 @@ def _tasks(storage: Storage, manifest: Manifest, report: VerifyReport) -> list[_
     for s, stack in enumerate(manifest.stacks):
         st, names = stack.zarr, members.get(s, [])
         name = f"stack {s} ({len(names)} leaves: {names[0]} ... {names[-1]})" if names else f"stack {s}"
-        why, chunks_readable = _array_metadata_problem(storage, st.path, st, list(stack.shape),
-                                                       (manifest.zarr_json or {}).get(f"{st.path}/zarr.json"))
-        if why is not None:
-            report.problems.append(Problem(name, None, storage.where(f"{st.path}/zarr.json"), why))
-        if not chunks_readable:
-            continue
+        if manifest.layout is None:
+            why, chunks_readable = _array_metadata_problem(storage, st.path, st, list(stack.shape),
+                                                           (manifest.zarr_json or {}).get(f"{st.path}/zarr.json"))
+            if why is not None:
+                report.problems.append(Problem(name, None, storage.where(f"{st.path}/zarr.json"), why))
+            if not chunks_readable:
+                continue
         dtype = np.dtype(st.data_type).newbyteorder("<")
         for flat, index in enumerate(np.ndindex(*chunk_grid(stack.shape, st.chunk_shape))):
-            tasks.append(_ChunkTask(
-                (len(manifest.leaves) + s, flat), name, tuple(index), st.path, storage.where(f"{st.path}/{chunk_key(index)}"),
-                st.chunk_shape, box_shape(chunk_box(index, st.chunk_shape, stack.shape)), dtype, st.chunk_checksums[flat],
-            ))
-    arrays = {f"{l.zarr.path}/zarr.json" for l in manifest.leaves if l.zarr is not None}
-    arrays |= {f"{stack.zarr.path}/zarr.json" for stack in manifest.stacks}
-    report.problems += _group_metadata_problems(storage, manifest, arrays)
+            task = _task((len(manifest.leaves) + s, flat), name, tuple(index), st.path, st.chunk_shape,
+                         box_shape(chunk_box(index, st.chunk_shape, stack.shape)), dtype, st, flat, storage, report)
+            if task is not None:
+                tasks.append(task)
+    if manifest.layout is None:
+        arrays = {f"{l.zarr.path}/zarr.json" for l in manifest.leaves if l.zarr is not None}
+        arrays |= {f"{stack.zarr.path}/zarr.json" for stack in manifest.stacks}
+        report.problems += _group_metadata_problems(storage, manifest, arrays)
     return tasks
+
+
+def _task(order, leaf: str, index: tuple, array: str, chunk_shape, box, dtype, st, flat: int, storage: Storage,
+          report: VerifyReport) -> _ChunkTask | None:
+    """The check of one chunk: its file and recorded CRC-32C from the manifest, or (format version
+    3) from the index object that holds it; None, with the problem reported, when that index
+    object cannot say."""
+    if not st.chunk_checksums:
+        try:
+            return _ChunkTask(order, leaf, index, array, storage.chunk_where(array, index), chunk_shape, box, dtype,
+                              storage.chunk_crc(array, index), packed=True)
+        except CheckpointError as e:
+            report.problems.append(Problem(leaf, index, storage.where(array), str(e)))
+            return None
+    return _ChunkTask(order, leaf, index, array, storage.where(f"{array}/{chunk_key(index)}"), chunk_shape, box,
+                      dtype, st.chunk_checksums[flat])
 
 
 def verify_checkpoints(checkpoints: list[tuple[Storage, Manifest]],

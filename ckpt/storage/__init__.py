@@ -11,6 +11,7 @@ from ckpt._memory import aligned_empty
 from ckpt.storage._base import NotDurableError, OutcomeUnknownError, Staged, Storage
 from ckpt.storage._location import ENGINES, default_engine, location_text, open_storage
 from ckpt.storage._owners import Leftover
+from ckpt.storage._packed import PackWriter
 from ckpt.storage._wrapper import WrapperStorage
 
 # The door's internal side: what other layers of ckpt use besides the public names below.
@@ -20,6 +21,6 @@ from ckpt.storage._owners import OWNER_LIMIT_BYTES, OWNER_NAME, SaveLock, owner_
 
 __all__ = [
     "ENGINES", "GENERATION_MARK", "MANIFEST_NAME", "TEMP_MARK", "ArraySpec", "Leftover", "NotDurableError",
-    "OutcomeUnknownError", "Staged", "Storage", "WrapperStorage", "aligned_empty", "default_engine", "is_temp_name",
+    "OutcomeUnknownError", "PackWriter", "Staged", "Storage", "WrapperStorage", "aligned_empty", "default_engine", "is_temp_name",
     "location_text", "open_storage",
 ]

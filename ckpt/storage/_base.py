@@ -382,6 +382,17 @@ class Storage(ABC):
     def put(self, key: str, data: bytes) -> Any:
         """Write (or replace) a small object; returns a future, durable once it resolves."""
 
+    # Whether ``open_pack`` writes a data object of the packed layout in place, chunk by chunk
+    # (local disk); otherwise the save assembles each data object and writes it with ``put``.
+    streams_packs = False
+
+    def open_pack(self, key: str) -> Any:
+        """A data object of the packed layout (formats/SPEC.md section 13), written in place:
+        ``write_at(offset, array) -> future`` (done once the bytes are in the file; the caller
+        does not change the array until then) and ``close(size) -> future`` (after every write
+        finished: the object's size set and it made durable). Where ``streams_packs``."""
+        raise NotImplementedError(f"{type(self).__name__} writes data objects whole (streams_packs is False)")
+
     @abstractmethod
     def put_if_absent(self, key: str, data: bytes) -> None:
         """Write the object only if none exists; FileExistsError otherwise. Atomic where

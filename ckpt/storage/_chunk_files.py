@@ -138,3 +138,66 @@ class ChunkFileWriter:
         `size` bytes when given; durable once the returned future resolves. The caller does
         not change `data` until then."""
         return self._pool.submit(self._write, key, data, size)
+
+
+class PackFile:
+    """A data object of the packed layout (formats/SPEC.md section 13) on local disk, written in
+    place: each chunk at its offset as it arrives (the whole pages of a page-aligned buffer at a
+    page-aligned offset with O_DIRECT, the rest through the page cache), then, at ``close``,
+    its size set and the file and its directory fsynced."""
+
+    def __init__(self, path: str, concurrency: int):
+        self.path = path
+        self._pool = shared_pool("ckpt-write", concurrency)
+        # close() waits for the writes, so it runs apart from the pool they are queued on.
+        self._closer = shared_pool("ckpt-pack-close", 2)
+        self._lock = threading.Lock()
+        self._pending: list[Future] = []
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._fd = os.open(path, _WRITE_FLAGS, 0o644)
+        self._direct_fd: int | None = None
+        if _direct_writes is not False and hasattr(os, "O_DIRECT"):
+            try:
+                self._direct_fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_DIRECT)
+            except OSError:
+                self._direct_fd = None
+
+    def write_at(self, offset: int, data: np.ndarray) -> Future:
+        future = self._pool.submit(self._write, offset, data)
+        with self._lock:
+            self._pending.append(future)
+        return future
+
+    def _write(self, offset: int, data: np.ndarray) -> None:
+        flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        mv = memoryview(flat)
+        n, done = len(mv), 0
+        if self._direct_fd is not None and offset % _PAGE == 0 and flat.ctypes.data % _PAGE == 0 and n >= _PAGE:
+            whole = n // _PAGE * _PAGE
+            while done < whole:
+                written = os.pwrite(self._direct_fd, mv[done:whole], offset + done)
+                if written <= 0:
+                    raise OSError(errno.EIO, "short write", self.path)
+                done += written
+        while done < n:
+            written = os.pwrite(self._fd, mv[done:], offset + done)
+            if written <= 0:
+                raise OSError(errno.EIO, "short write", self.path)
+            done += written
+
+    def close(self, size: int) -> Future:
+        return self._closer.submit(self._close, size)
+
+    def _close(self, size: int) -> None:
+        try:
+            with self._lock:
+                pending, self._pending = self._pending, []
+            for f in pending:
+                f.result()
+            os.ftruncate(self._fd, size)
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            if self._direct_fd is not None:
+                os.close(self._direct_fd)
+        fsync_path(os.path.dirname(self.path))

@@ -53,7 +53,7 @@ from ckpt.storage._base import (
     range_short,
     size_mismatch,
 )
-from ckpt.storage._chunk_files import ChunkFileWriter, fsync_path
+from ckpt.storage._chunk_files import ChunkFileWriter, PackFile, fsync_path
 from ckpt.storage._confine import check_key, file_kind, link_target_within
 from ckpt.storage._owners import (
     _OWN_TEMP,
@@ -418,6 +418,11 @@ class LocalStorage(TensorStoreStorage):
         if self._chunk_writer is None:
             self._chunk_writer = ChunkFileWriter(self.root, self._concurrency)
         return self._chunk_writer.write(f"{path}/{chunk_key(chunk_index_of(box, chunk_shape))}", data, size)
+
+    streams_packs = True
+
+    def open_pack(self, key: str) -> PackFile:
+        return PackFile(self._path(key), self._concurrency)
 
     def exists(self, key: str) -> bool:
         """Whether `key` is a regular file reached without following links."""

@@ -115,6 +115,13 @@ class WrapperStorage(Storage):
     def put(self, key: str, data: bytes) -> Any:
         return self.inner.put(key, data)
 
+    @property
+    def streams_packs(self) -> bool:  # type: ignore[override]
+        return self.inner.streams_packs
+
+    def open_pack(self, key: str) -> Any:
+        return self.inner.open_pack(key)
+
     def put_if_absent(self, key: str, data: bytes) -> None:
         self.inner.put_if_absent(key, data)
 

@@ -1,0 +1,156 @@
+"""Reading a packed checkpoint (format version 3, formats/SPEC.md section 13): where each chunk is.
+
+``PackedChunks`` wraps the checkpoint's storage so that everything reading chunks by Zarr path
+and chunk index (the restore's Reader, ``ckpt diff``, exports) reads them from the data objects
+instead: a chunk's place and CRC-32C come from the index object of the process that wrote it,
+found by the manifest's rule (a recorded writer; else the processes that held the chunk's shard
+at save time, from the saved mesh's process table, whose index holds the place or a pointer to
+the writer's). A restoring process so reads the manifest and the index objects of the processes
+whose chunks it reads, not every index (issue 23): one or two with the saving topology.
+Index objects are loaded once each, checked against the manifest (size, CRC-32C) and decoded
+(``decode_index``: every entry checked) before any of their entries is used.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from ckpt._errors import CheckpointError
+from ckpt._format import Manifest, PackedIndex, chunk_holders, decode_index, display_path
+from ckpt._geometry import chunk_grid, flat_chunk_index
+from ckpt.storage import Storage, WrapperStorage
+
+# An index object is at most this large: 36 bytes an entry, 16 M entries (a process holding
+# 16 M chunks), plus its object list; a larger one is refused before it is read whole.
+MAX_INDEX_BYTES = 1 << 30
+
+
+class PackedChunks(WrapperStorage):
+    """`inner` (a packed checkpoint's location) read chunk by chunk through its index objects."""
+
+    # The Reader issues reads on its executor (the index lookup runs there too); the inner
+    # engine's asynchronous chunk reads take Zarr keys, which a packed checkpoint does not have.
+    read_chunk_async = None
+
+    def __init__(self, inner: Storage, manifest: Manifest, process: int = 0) -> None:
+        super().__init__(inner)
+        self.manifest, self.layout, self.process = manifest, manifest.layout, process
+        self._arrays: dict[str, int] = {}
+        for i, leaf in enumerate(manifest.leaves):
+            if leaf.zarr is not None:
+                self._arrays[leaf.zarr.path] = i
+        for s, stack in enumerate(manifest.stacks):
+            self._arrays[stack.zarr.path] = -1 - s
+        self._indexes: dict[int, PackedIndex] = {}
+        self._locks = {p: threading.Lock() for p in range(len(self.layout.indexes))}
+        self.indexes_read = 0  # index objects loaded (bytes: index_bytes_read), for stats and tests
+        self.index_bytes_read = 0
+
+    def wrap(self, inner: Storage) -> WrapperStorage:
+        return WrapperStorage(inner)  # (a derived location is not this checkpoint)
+
+    # ---- the index ------------------------------------------------------------------------
+
+    def _index(self, p: int) -> PackedIndex:
+        index = self._indexes.get(p)
+        if index is not None:
+            return index
+        with self._locks[p]:
+            index = self._indexes.get(p)
+            if index is None:
+                ref = self.layout.indexes[p]
+                if ref.size > MAX_INDEX_BYTES:
+                    raise CheckpointError(f"{self.inner.where(ref.name)}: the manifest gives the index object of "
+                                          f"process {p} {ref.size} bytes, more than {MAX_INDEX_BYTES}")
+                data = self.inner.get(ref.name, max_bytes=ref.size)
+                index = decode_index(data, where=self.inner.where(ref.name), process=p,
+                                     processes=len(self.layout.indexes), expected_size=ref.size,
+                                     expected_crc=ref.crc32c)
+                self.indexes_read += 1
+                self.index_bytes_read += len(data)
+                self._indexes[p] = index
+        return index
+
+    def _first_choice(self, array: int, index: tuple[int, ...]) -> list[int]:
+        """The processes whose index objects say where the chunk is, in the order to look."""
+        if array < 0:
+            writer = self.manifest.stacks[-1 - array].zarr.writer
+            return [writer] if writer is not None else list(range(len(self.layout.indexes)))
+        rec = self.manifest.leaves[array]
+        if rec.zarr.writer is not None:
+            return [rec.zarr.writer]
+        sharding = rec.sharding or {}
+        m = sharding.get("mesh_processes")
+        if sharding.get("kind") == "named" and m is not None:
+            sizes, table = self.layout.meshes[m]
+            holders = chunk_holders(sizes, table, sharding["spec"], rec.shape, rec.zarr.chunk_shape, index,
+                                    axis_names=sharding["mesh"]["axis_names"])
+            if holders:
+                return [self.process] if self.process in holders else [min(holders)]
+        return list(range(len(self.layout.indexes)))
+
+    def locate(self, path: str, index: tuple[int, ...]) -> tuple[str, int, int, int]:
+        """(data object, offset, length, CRC-32C) of chunk `index` of the array at `path`."""
+        array = self._arrays.get(path)
+        if array is None:
+            raise CheckpointError(f"{self.inner.where(path)}: no array of this checkpoint is stored there")
+        st = self.manifest.stacks[-1 - array].zarr if array < 0 else self.manifest.leaves[array].zarr
+        shape = self.manifest.stacks[-1 - array].shape if array < 0 else self.manifest.leaves[array].shape
+        flat = flat_chunk_index(index, chunk_grid(shape, st.chunk_shape))
+        if st.places:  # (an array written whole by one process: its places are in the manifest)
+            return st.places[flat]
+        looked = []
+        for p in self._first_choice(array, index):
+            entry = self._index(p).find(array, flat)
+            looked.append(p)
+            if entry is not None and int(entry["object"]) < 0:
+                q = -1 - int(entry["object"])
+                entry = self._index(q).find(array, flat)
+                looked.append(q)
+                p = q
+                if entry is not None and int(entry["object"]) < 0:
+                    entry = None  # (a pointer to a pointer: never written)
+            if entry is not None:
+                idx = self._indexes[p]
+                name, size = idx.objects[int(entry["object"])]
+                return name, int(entry["offset"]), int(entry["length"]), int(entry["crc32c"])
+        what = (f"stack {-1 - array}" if array < 0 else f"leaf {display_path(self.manifest.leaves[array].path)!r}")
+        raise CheckpointError(
+            f"{what}, chunk {list(index)}: not in the index object(s) of process(es) "
+            f"{sorted(set(looked))} ({', '.join(self.inner.where(self.layout.indexes[p].name) for p in sorted(set(looked))[:3])})"
+            f": the checkpoint is damaged")
+
+    # ---- the chunk reads of Storage ----------------------------------------------------------
+
+    def read_chunk(self, path: str, index: tuple[int, ...], nbytes: int, into: np.ndarray | None = None) -> np.ndarray:
+        name, offset, length, _ = self.locate(path, index)
+        if length != nbytes:
+            raise CheckpointError(f"{self.inner.where(name)}: the index gives chunk {list(index)} of {path} "
+                                  f"{length} bytes, its chunk shape has {nbytes}")
+        return self.inner.read_range(name, offset, length, into)
+
+    def chunk_crc(self, path: str, index: tuple[int, ...]) -> int:
+        return self.locate(path, index)[3]
+
+    def chunk_where(self, path: str, index: tuple[int, ...]) -> str:
+        try:
+            name, offset, length, _ = self.locate(path, index)
+        except CheckpointError:
+            return self.inner.where(path)
+        return f"{self.inner.where(name)} bytes {offset}-{offset + length}"
+
+    def open_arrays(self, arrays: dict[Any, tuple[str, Any]]) -> dict[Any, Any]:
+        raise CheckpointError(f"{self.url}: a committed checkpoint is read-only")
+
+
+def packed_reads(storage: Storage, manifest: Manifest | None) -> Storage:
+    """`storage` itself, or its chunks read through the index objects when `manifest` is a
+    packed checkpoint's (``PackedChunks``, looking first in this process's index)."""
+    if manifest is None or manifest.layout is None or isinstance(storage, PackedChunks):
+        return storage
+    import jax
+
+    return PackedChunks(storage, manifest, jax.process_index())
