@@ -187,11 +187,12 @@ def _write_box(fd: int, base: int, shape: tuple[int, ...], itemsize: int, box: B
         _pwrite(fd, src[n * run:(n + 1) * run], base + first * itemsize)
 
 
-def _out_dir(out: Any) -> str:
+def local_out_dir(out: Any, what: str = "export writes to a local directory, got") -> str:
+    """The absolute local directory an export writes to; CheckpointError for a URL."""
     if hasattr(out, "__fspath__"):
         out = os.fspath(out)
     if not isinstance(out, str) or "://" in out:
-        raise CheckpointError(f"export writes to a local directory, got {out!r}")
+        raise CheckpointError(f"{what} {out!r}")
     return os.path.abspath(os.path.expanduser(out))
 
 
@@ -249,7 +250,7 @@ def export(path: Any, out: Any, *, shard_size: int = DEFAULT_SHARD_SIZE, rename:
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
         raise ValueError(f"shard_size must be a positive number of bytes, got {shard_size!r}")
     opts = resolve(options)
-    directory = _out_dir(out)
+    directory = local_out_dir(out)
     storage = open_storage(path, opts)
     manifest = require_manifest(storage)
     entries, skipped, dropped = _entries(manifest, rename)

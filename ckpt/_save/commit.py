@@ -225,14 +225,19 @@ def _check_written(staged: Staged, specs: dict[int, tuple[str, ArraySpec]], fina
         zarr_json[staged.prefix + key] = crc32c.crc32c(GROUP_METADATA)
     if not check_files:
         return zarr_json
+    _check_sizes(staged, expected, f"{action} to {final}", action)
+    return zarr_json
+
+
+def _check_sizes(staged: Staged, expected: dict[str, int], what: str, action: str = "save") -> None:
+    """Raise unless every key of `expected` is in the staged place with its size (one stat each)."""
     found = staged.storage.stat_many(expected)
     bad = [f"{staged.storage.where(k)} ({'missing' if found[k] is None else f'{found[k]} of {n} bytes'})"
            for k, n in expected.items() if found[k] is None or (found[k] >= 0 and found[k] != n)]
     if bad:
         raise CheckpointError(
-            f"{action} to {final}: {len(bad)} file(s) it wrote are gone or changed before the commit, e.g. {bad[0]} "
+            f"{what}: {len(bad)} file(s) it wrote are gone or changed before the commit, e.g. {bad[0]} "
             f"(did another process remove the {action}'s temporary data?); nothing was committed")
-    return zarr_json
 
 
 # ---- the packed layout (format version 3, formats/SPEC.md section 13) -------------------------
@@ -358,13 +363,7 @@ def commit_packed(storage: Storage, staged: Staged, tree: dict, records: list[Le
     from ckpt._version import __version__
 
     if objects:
-        found = staged.storage.stat_many(objects)
-        bad = [f"{staged.storage.where(k)} ({'missing' if found[k] is None else f'{found[k]} of {n} bytes'})"
-               for k, n in objects.items() if found[k] is None or (found[k] >= 0 and found[k] != n)]
-        if bad:
-            raise CheckpointError(
-                f"save to {storage.url}: {len(bad)} object(s) it wrote are gone or changed before the commit, "
-                f"e.g. {bad[0]}; nothing was committed")
+        _check_sizes(staged, objects, f"save to {storage.url}")
     manifest = Manifest(tree, list(records), user_metadata=user_metadata, library_version=__version__,
                         stacks=list(stacks), format_version=PACKED_VERSION, packed=section)
     commit_checkpoint(storage, staged, manifest, overwrite=overwrite)

@@ -173,20 +173,26 @@ def cmd_export(args, open_checkpoint, options: Options) -> int:
         return _cmd_export_zarr(args, open_checkpoint, options)
     shard_size = parse_shard_size(args.shard_size or "5GB")
     rename = rename_from(args.rename, args.rename_file)
+    opened, result = _exporting(args, open_checkpoint, options, lambda root, options, bar: export(
+        root, args.out, shard_size=shard_size, rename=rename, overwrite=args.overwrite, options=options, progress=bar))
+    doc = export_document(result, os.path.abspath(args.out), opened.root)
+    _print(doc if args.json else render_export(doc), as_json=args.json)
+    return 0
+
+
+def _exporting(args, open_checkpoint, options: Options, run):
+    """(the checkpoint opened, what `run(root, options, progress bar)` returned): the steps both
+    export formats share (--host-budget, a jax-ckpt checkpoint only, the progress bar)."""
     if args.host_budget is not None:
         options = dataclasses.replace(options, host_budget_bytes=args.host_budget)
     opened = open_checkpoint()
     refuse_foreign(opened, "export")
     bar = progress_bar(not args.no_progress, "export")
     try:
-        result = export(opened.root, args.out, shard_size=shard_size, rename=rename, overwrite=args.overwrite,
-                        options=options, progress=bar)
+        return opened, run(opened.root, options, bar)
     finally:
         if bar is not None:
             bar.close()
-    doc = export_document(result, os.path.abspath(args.out), opened.root)
-    _print(doc if args.json else render_export(doc), as_json=args.json)
-    return 0
 
 
 def _cmd_export_zarr(args, open_checkpoint, options: Options) -> int:
@@ -196,16 +202,8 @@ def _cmd_export_zarr(args, open_checkpoint, options: Options) -> int:
                         ("--rename-file", args.rename_file is not None)):
         if given:
             raise ValueError(f"{flag} applies to --format safetensors only (a Zarr export keeps the tree's paths)")
-    if args.host_budget is not None:
-        options = dataclasses.replace(options, host_budget_bytes=args.host_budget)
-    opened = open_checkpoint()
-    refuse_foreign(opened, "export")
-    bar = progress_bar(not args.no_progress, "export")
-    try:
-        result = export_zarr(opened.root, args.out, overwrite=args.overwrite, options=options, progress=bar)
-    finally:
-        if bar is not None:
-            bar.close()
+    opened, result = _exporting(args, open_checkpoint, options, lambda root, options, bar: export_zarr(
+        root, args.out, overwrite=args.overwrite, options=options, progress=bar))
     doc = zarr_export_document(result, opened.root)
     _print(doc if args.json else render_zarr_export(doc), as_json=args.json)
     return 0

@@ -37,7 +37,8 @@ from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import Box, chunk_box, chunk_grid, full_box
 from ckpt._options import Options, resolve
 from ckpt._restore import Reader, RestoreStats, packed_reads, plan_leaf_read, require_manifest
-from ckpt.storage import open_storage
+from ckpt.safetensors import local_out_dir
+from ckpt.storage import fsync_path, open_storage
 
 ZARR_JSON = "zarr.json"
 VALUES_KEY = "jax_ckpt_values"  # root group attribute: the value leaves, {leaf path: JSON value}
@@ -84,11 +85,7 @@ def json_value(rec: LeafRecord) -> Any:
 
 
 def _out_dir(out: Any) -> str:
-    if hasattr(out, "__fspath__"):
-        out = os.fspath(out)
-    if not isinstance(out, str) or "://" in out:
-        raise CheckpointError(f"ckpt export --format zarr writes to a local directory, got OUT {out!r}")
-    return os.path.abspath(os.path.expanduser(out))
+    return local_out_dir(out, "ckpt export --format zarr writes to a local directory, got OUT")
 
 
 def _earlier_export(directory: str) -> bool:
@@ -165,12 +162,7 @@ def _write_file(path: str, data) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+_fsync_dir = fsync_path
 
 
 def _chunk_key(zpath: str, index: tuple[int, ...]) -> str:

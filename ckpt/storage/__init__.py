@@ -16,6 +16,7 @@ from ckpt.storage._wrapper import WrapperStorage
 
 # The door's internal side: what other layers of ckpt use besides the public names below.
 from ckpt.storage._base import Done  # noqa: E402,F401
+from ckpt.storage._chunk_files import fsync_path  # noqa: E402,F401
 from ckpt.storage._location import scheme_of, tensorstore_spec  # noqa: E402,F401
 from ckpt.storage._owners import OWNER_LIMIT_BYTES, OWNER_NAME, SaveLock, owner_gone, parse_owner  # noqa: E402,F401
 
