@@ -258,8 +258,11 @@ class PackedSave:
         self.written = 0
         self.leases: list = []  # the assembly buffers' budget (object stores), while writing
         self.buffer_bytes = 0
-        # Arrays written whole by one process (stacks, small arrays): their places go to the
-        # manifest through the statuses ([array, flat, object, offset, length, crc] each).
+        # Arrays written whole by one process (stacks, small arrays, and any array of one chunk):
+        # their places go to the manifest through the statuses ([array, flat, object, offset,
+        # length, crc] each), O(leaves) in all, so that no restoring process reads the index
+        # object of each process that wrote a replicated array (bench/scale.py, the scanned tree:
+        # 7 index objects read by every process without them).
         self.small = {-1 - s for s in range(len(plan.stacks))} | set(plan.whole)
         self.places: list[list] = []
 
@@ -268,8 +271,9 @@ class PackedSave:
         rows = [(array, flat, obj, offset, length, sums[array][flat])
                 for (array, flat), (obj, offset, length) in w.locations.items()]
         names = [prefix + key for key, _ in w.objects]
-        self.places = [[a, f, names[o], off, n, crc] for a, f, o, off, n, crc in rows if a in self.small]
         grids = {a: chunk_grid(spec.shape, spec.chunk_shape) for a, (_, spec) in specs.items()}
+        self.places = [[a, f, names[o], off, n, crc] for a, f, o, off, n, crc in rows
+                       if a in self.small or math.prod(grids[a]) == 1]
         for leaf, box, writer in self.plan.pointers:
             spec = specs[leaf][1]
             flat = flat_chunk_index(chunk_index_of(box, spec.chunk_shape), grids[leaf])
@@ -330,7 +334,8 @@ class PackedSave:
                 rec = LeafRecord(rec.path, rec.kind, rec.shape, rec.dtype, rec.sharding, member, rec.value, rec.prng_impl)
             elif rec.zarr is not None:
                 st = dataclasses.replace(rec.zarr, path=prefix + rec.zarr.path, chunk_checksums=(),
-                                         writer=writers.get(i), places=places(i, specs[i][1]) if i in self.small else ())
+                                         writer=writers.get(i), places=places(i, specs[i][1])
+                                         if i in self.small or _chunks(specs[i][1]) == 1 else ())
                 sharding = rec.sharding
                 if st.writer is None and sharding and sharding.get("kind") == "named":
                     mesh = leaf.source.sharding.mesh
@@ -342,6 +347,10 @@ class PackedSave:
                 rec = LeafRecord(rec.path, rec.kind, rec.shape, rec.dtype, sharding, st, rec.value, rec.prng_impl)
             records.append(rec)
         return records, new_stacks, packed_section(ALIGN, indexes, meshes)
+
+
+def _chunks(spec: ArraySpec) -> int:
+    return math.prod(chunk_grid(spec.shape, spec.chunk_shape))
 
 
 def _holder_processes(holders, _cache: dict = {}) -> frozenset:  # noqa: B006 (per holders map)

@@ -107,6 +107,9 @@ class PackWriter:
         flat = flat_chunk_index(chunk_index_of(box, chunk_shape), self._grids[handle])
         length = math.prod(chunk_shape) * data.dtype.itemsize
         if not self.streams and length > self._buffer_bytes:
+            if not self._buffer_bytes:  # (a writer for whole objects needs its buffers)
+                raise ValueError("PackWriter: this storage writes data objects whole (streams_packs "
+                                 "is False) and no assembly buffers were given")
             return self._alone(handle, flat, data, length)  # (no assembly buffer holds it)
         pack = self._current
         if pack is not None and pack.end and _aligned(pack.end, length) + length > self.target_bytes:
