@@ -179,3 +179,26 @@ def test_a_newer_layout_option_is_refused_clearly(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPT_LAYOUT", "tar")
     with pytest.raises(ValueError, match="CKPT_LAYOUT"):
         ckpt.save(str(tmp_path / "d"), {"x": np.zeros(3)})
+
+
+def test_chunks_that_follow_each_other_are_read_as_one_range():
+    """A restore reads the chunks of one data object that follow each other with one ranged
+    read (packed_source.read_chunks), and still checks each chunk against its own CRC-32C."""
+    path = "memory://packed-layout/ranges"
+    tree = _tree(5)
+    ckpt.save(path, tree, options=ckpt.Options(layout="packed", pack_limit_bytes=0))
+    faults = Faults()
+    out = ckpt.restore(path, mesh=_mesh(), options=faults.options())
+    assert _check(out, tree) > 10
+    reads = faults.calls["read_range"] + faults.calls["read_chunk"] + faults.calls["read_chunk_async"]
+    assert 1 <= reads <= 3, faults.calls  # 16 chunks, all in one data object
+    # A damaged chunk inside a merged range is still named alone.
+    storage = storage_of(path)
+    manifest = manifest_of(path)
+    index = msgpack.unpackb(storage.get(manifest.layout.indexes[0].name, max_bytes=1 << 20))
+    entries = np.frombuffer(index["chunks"], INDEX_DTYPE)
+    w = [i for i, l in enumerate(manifest.leaves) if l.path == "w"][0]
+    e = entries[(entries["array"] == w) & (entries["chunk"] == 3)][0]
+    flip_byte(storage, index["objects"][e["object"]]["name"], int(e["offset"]) + 7)
+    with pytest.raises(ckpt.ChecksumError, match=r"'w', chunk \[1, 1\]"):
+        ckpt.restore(path, mesh=_mesh())

@@ -21,7 +21,29 @@ import numpy as np
 from ckpt._errors import CheckpointError
 from ckpt._format import Manifest, PackedIndex, chunk_holders, decode_index, display_path
 from ckpt._geometry import chunk_grid, flat_chunk_index
-from ckpt.storage import Storage, WrapperStorage
+from ckpt.storage import Done, Storage, WrapperStorage
+
+# read_chunks reads chunks of one data object as one range when at most MERGE_GAP bytes lie
+# between them (the alignment padding of SPEC 13.2) and the range stays within MERGE_MAX (the
+# chunk cap: a range is held whole until its last chunk is used).
+MERGE_GAP = 4096
+MERGE_MAX = 64 << 20
+
+
+class _Part:
+    """The future of one chunk read as part of a larger range: a view of the range's bytes."""
+
+    __slots__ = ("_whole", "_start", "_length")
+
+    def __init__(self, whole: Any, start: int, length: int) -> None:
+        self._whole, self._start, self._length = whole, start, length
+
+    def result(self, timeout: float | None = None) -> np.ndarray:
+        return self._whole.result(timeout)[self._start:self._start + self._length]
+
+    def done(self) -> bool:
+        return self._whole.done()
+
 
 # An index object is at most this large: 36 bytes an entry, 16 M entries (a process holding
 # 16 M chunks), plus its object list; a larger one is refused before it is read whole.
@@ -48,6 +70,7 @@ class PackedChunks(WrapperStorage):
         self._locks = {p: threading.Lock() for p in range(len(self.layout.indexes))}
         self.indexes_read = 0  # index objects loaded (bytes: index_bytes_read), for stats and tests
         self.index_bytes_read = 0
+        self.ranges_read = 0  # read_chunks' requests
 
     def wrap(self, inner: Storage) -> WrapperStorage:
         return WrapperStorage(inner)  # (a derived location is not this checkpoint)
@@ -131,6 +154,44 @@ class PackedChunks(WrapperStorage):
             raise CheckpointError(f"{self.inner.where(name)}: the index gives chunk {list(index)} of {path} "
                                   f"{length} bytes, its chunk shape has {nbytes}")
         return self.inner.read_range(name, offset, length, into)
+
+    def read_chunks(self, requests: list[tuple], executor: Any) -> dict[Any, Any]:
+        """Start reading many chunks, {key: future of its bytes} for `requests` of (key, array
+        path, chunk index, bytes): the chunks of one data object that follow each other (gaps of
+        at most MERGE_GAP bytes: alignment) are read as one range of at most MERGE_MAX bytes. A
+        restore onto the saving topology so reads a process's own chunks in a few requests
+        instead of one each (bench/scale.py, 1,024 hosts: 483 GETs a host instead of 13,971)."""
+        out: dict[Any, Any] = {}
+        by_object: dict[str, list] = {}
+        for key, path, index, nbytes in requests:
+            try:
+                name, offset, length, _ = self.locate(path, index)
+                if length != nbytes:
+                    raise CheckpointError(f"{self.inner.where(name)}: the index gives chunk {list(index)} of {path} "
+                                          f"{length} bytes, its chunk shape has {nbytes}")
+            except (OSError, CheckpointError) as e:
+                out[key] = Done(error=e)
+                continue
+            by_object.setdefault(name, []).append((offset, length, key))
+        for name, parts in by_object.items():
+            parts.sort()
+            run = [parts[0]]
+            for part in parts[1:]:
+                start, end = run[0][0], run[-1][0] + run[-1][1]
+                if part[0] >= end and part[0] - end <= MERGE_GAP and part[0] + part[1] - start <= MERGE_MAX:
+                    run.append(part)
+                    continue
+                self._read_run(name, run, executor, out)
+                run = [part]
+            self._read_run(name, run, executor, out)
+        return out
+
+    def _read_run(self, name: str, run: list, executor: Any, out: dict) -> None:
+        start = run[0][0]
+        whole = executor.submit(self.inner.read_range, name, start, run[-1][0] + run[-1][1] - start)
+        self.ranges_read += 1
+        for offset, length, key in run:
+            out[key] = _Part(whole, offset - start, length)
 
     def chunk_crc(self, path: str, index: tuple[int, ...]) -> int:
         return self.locate(path, index)[3]

@@ -399,6 +399,23 @@ class Reader:
         except (OSError, CheckpointError) as e:  # reported where the chunk is used, naming it
             return Done(error=e)
 
+    def issue_merged(self, keys: list[tuple], lease: _Lease, executor: ThreadPoolExecutor) -> dict[tuple, Any]:
+        """Where the storage reads many chunks at once (``read_chunks``: a packed checkpoint,
+        whose chunks that follow each other in a data object are read as one range): start
+        every chunk read of a batch so, {key: future}; {} elsewhere (``issue`` one by one)."""
+        read_chunks = getattr(self.storage, "read_chunks", None)
+        if read_chunks is None:
+            return {}
+        requests = []
+        for key in keys:
+            if key[0] == "i":
+                continue
+            st = self._array_of(key)
+            padded = math.prod(st.chunk_shape) * np.dtype(st.data_type).itemsize
+            lease.take(padded)
+            requests.append((key, st.path, key[2], padded))
+        return read_chunks(requests, executor)
+
     def finish(self, key: tuple, future: Any, lease: _Lease) -> np.ndarray:
         """A source's array (storage dtype) once read: a chunk checked against its CRC-32C, a
         stack chunk, or inline data."""
@@ -463,11 +480,14 @@ class _Sources:
         keys = list(dict.fromkeys(p.key for u in self.batch for p in u.pieces))
         self.pool = ThreadPoolExecutor(r.options.io_concurrency, thread_name_prefix="ckpt-read")
         self.buffers: list[np.ndarray] = []
-        sizes = {key: r._buffer_bytes(key) for key in keys if key[0] != "i"} if r.buffers is not None else {}
+        self.futures = r.issue_merged(keys, self.lease, self.pool)
+        sizes = ({key: r._buffer_bytes(key) for key in keys if key[0] != "i" and key not in self.futures}
+                 if r.buffers is not None else {})
         if sizes:
             r.buffers.prepare(list(sizes.values()))
-        self.futures = {}
         for key in keys:
+            if key in self.futures:
+                continue
             into = None
             if key in sizes:
                 into = r.buffers.get(sizes[key])
