@@ -71,6 +71,7 @@ class PackedChunks(WrapperStorage):
         self.indexes_read = 0  # index objects loaded (bytes: index_bytes_read), for stats and tests
         self.index_bytes_read = 0
         self.ranges_read = 0  # read_chunks' requests
+        self._placed: dict[tuple, tuple[str, int, int, int]] = {}  # read_chunks' places, until checked
 
     def wrap(self, inner: Storage) -> WrapperStorage:
         return WrapperStorage(inner)  # (a derived location is not this checkpoint)
@@ -148,11 +149,16 @@ class PackedChunks(WrapperStorage):
 
     # ---- the chunk reads of Storage ----------------------------------------------------------
 
+    def _place(self, path: str, index: tuple[int, ...], nbytes: int) -> tuple[str, int, int, int]:
+        """``locate``, checked against the chunk's size (`nbytes`, from its shape)."""
+        place = self.locate(path, index)
+        if place[2] != nbytes:
+            raise CheckpointError(f"{self.inner.where(place[0])}: the index gives chunk {list(index)} of {path} "
+                                  f"{place[2]} bytes, its chunk shape has {nbytes}")
+        return place
+
     def read_chunk(self, path: str, index: tuple[int, ...], nbytes: int, into: np.ndarray | None = None) -> np.ndarray:
-        name, offset, length, _ = self.locate(path, index)
-        if length != nbytes:
-            raise CheckpointError(f"{self.inner.where(name)}: the index gives chunk {list(index)} of {path} "
-                                  f"{length} bytes, its chunk shape has {nbytes}")
+        name, offset, length, _ = self._place(path, index, nbytes)
         return self.inner.read_range(name, offset, length, into)
 
     def read_chunks(self, requests: list[tuple], executor: Any) -> dict[Any, Any]:
@@ -165,14 +171,12 @@ class PackedChunks(WrapperStorage):
         by_object: dict[str, list] = {}
         for key, path, index, nbytes in requests:
             try:
-                name, offset, length, _ = self.locate(path, index)
-                if length != nbytes:
-                    raise CheckpointError(f"{self.inner.where(name)}: the index gives chunk {list(index)} of {path} "
-                                          f"{length} bytes, its chunk shape has {nbytes}")
+                place = self._place(path, index, nbytes)
             except (OSError, CheckpointError) as e:
                 out[key] = Done(error=e)
                 continue
-            by_object.setdefault(name, []).append((offset, length, key))
+            self._placed[(path, index)] = place  # (for chunk_check, once the chunk is read)
+            by_object.setdefault(place[0], []).append((place[1], place[2], key))
         for name, parts in by_object.items():
             parts.sort()
             run = [parts[0]]
@@ -193,15 +197,12 @@ class PackedChunks(WrapperStorage):
         for offset, length, key in run:
             out[key] = _Part(whole, offset - start, length)
 
-    def chunk_crc(self, path: str, index: tuple[int, ...]) -> int:
-        return self.locate(path, index)[3]
-
-    def chunk_where(self, path: str, index: tuple[int, ...]) -> str:
-        try:
-            name, offset, length, _ = self.locate(path, index)
-        except CheckpointError:
-            return self.inner.where(path)
-        return f"{self.inner.where(name)} bytes {offset}-{offset + length}"
+    def chunk_check(self, path: str, index: tuple[int, ...]) -> tuple[int, str]:
+        """(CRC-32C, where it is, for messages) of a chunk: the place ``read_chunks`` found for
+        it (each chunk's lookup is done once), else looked up now."""
+        place = self._placed.pop((path, index), None) or self.locate(path, index)
+        name, offset, length, crc = place
+        return crc, f"{self.inner.where(name)} bytes {offset}-{offset + length}"
 
     def open_arrays(self, arrays: dict[Any, tuple[str, Any]]) -> dict[Any, Any]:
         raise CheckpointError(f"{self.url}: a committed checkpoint is read-only")

@@ -426,14 +426,12 @@ class Reader:
         index = key[2]
         packed = not st.chunk_checksums  # format version 3: places and checksums in index objects
         try:
-            file = (self.storage.chunk_where(st.path, index) if packed
-                    else self.storage.where(f"{st.path}/{chunk_key(index)}"))
             if packed:
-                want = self.storage.chunk_crc(st.path, index)
-            elif key[0] == "z":
-                want = st.chunk_checksums[flat_chunk_index(index, chunk_grid(rec.shape, st.chunk_shape))]
+                want, file = self.storage.chunk_check(st.path, index)
             else:
-                want = st.chunk_checksums[index[0]]
+                file = self.storage.where(f"{st.path}/{chunk_key(index)}")
+                want = st.chunk_checksums[flat_chunk_index(index, chunk_grid(rec.shape, st.chunk_shape))
+                                          if key[0] == "z" else index[0]]
         except CheckpointError:
             future.result()  # (the read's own error names the chunk and the index object)
             raise

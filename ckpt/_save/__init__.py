@@ -28,7 +28,7 @@ import msgpack
 import numpy as np
 
 from ckpt._errors import CheckpointError
-from ckpt._format import LeafRecord, Stack, StackedStorage, flatten, storage_paths
+from ckpt._format import ALIGN, LeafRecord, Stack, StackedStorage, flatten, storage_paths
 from ckpt._geometry import chunk_grid
 from ckpt._memory import gc_paused
 from ckpt._options import Options, resolve, save_chunk_cap
@@ -403,7 +403,7 @@ def _packing(plan: SavePlan, shards, opts: Options, budget: SaveBudget, staged: 
     packing = PackedSave(plan, shards, target)
     if not staged.streams_packs and writes:
         # (each chunk at most ALIGN bytes of padding before it)
-        mine = sum(w.nbytes for w in writes) + 4096 * len(writes)
+        mine = sum(w.nbytes for w in writes) + ALIGN * len(writes)
         packing.buffer_bytes = min(target, mine)
         packing.leases = [budget.acquire(packing.buffer_bytes, buffer=True) for _ in range(1 if mine <= target else 2)]
     return packing

@@ -298,7 +298,7 @@ class PackedSave:
             if not index:
                 raise CheckpointError(f"process {p} reported no index object")
             indexes.append((p, prefix + index["key"], index["size"], index["crc"]))
-        want = sum(math.prod(chunk_grid(spec.shape, spec.chunk_shape)) for _, spec in specs.values())
+        want = sum(_chunks(spec) for _, spec in specs.values())
         got = sum(s["index"]["chunks"] for s in statuses)
         if got != want:
             raise CheckpointError(f"the processes wrote {got} chunks, the save has {want}")
@@ -309,7 +309,7 @@ class PackedSave:
 
         def places(array: int, spec) -> tuple:
             got = placed.get(array, {})
-            n = math.prod(chunk_grid(spec.shape, spec.chunk_shape))
+            n = _chunks(spec)
             if len(got) != n:
                 raise CheckpointError(f"array {array}: {len(got)} of its {n} chunks were reported written")
             return tuple(got[k] for k in range(n))

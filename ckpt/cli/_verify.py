@@ -254,8 +254,8 @@ def _task(order, leaf: str, index: tuple, array: str, chunk_shape, box, dtype, s
     object cannot say."""
     if not st.chunk_checksums:
         try:
-            return _ChunkTask(order, leaf, index, array, storage.chunk_where(array, index), chunk_shape, box, dtype,
-                              storage.chunk_crc(array, index), packed=True)
+            crc, where = storage.chunk_check(array, index)
+            return _ChunkTask(order, leaf, index, array, where, chunk_shape, box, dtype, crc, packed=True)
         except CheckpointError as e:
             report.problems.append(Problem(leaf, index, storage.where(array), str(e)))
             return None

@@ -20,7 +20,6 @@ Either way every data object is durable once ``close`` returns, and everything w
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any
 
 import numpy as np
@@ -72,7 +71,6 @@ class PackWriter:
         self._current: _Pack | None = None
         self._specs: dict[int, ArraySpec] = {}
         self._grids: dict[int, tuple[int, ...]] = {}
-        self._lock = threading.Lock()
         # (array id, flat chunk index) -> (object number, offset, length)
         self.locations: dict[tuple[int, int], tuple[int, int, int]] = {}
         self.requests = 0
@@ -118,6 +116,9 @@ class PackWriter:
         if pack is None:
             pack = self._begin()
         offset = _aligned(pack.end, length)
+        if pack.buffer is not None and offset > pack.end:
+            # SPEC 13.2: the padding is zeros (an assembly buffer holds an earlier object's bytes)
+            pack.buffer[pack.end:offset] = 0
         pack.end = offset + length
         self.locations[(handle, flat)] = (pack.number, offset, length)
         if self.streams:
@@ -159,11 +160,8 @@ class PackWriter:
         if self.streams:
             pack.future = pack.file.close(pack.end)
             return
-        view = pack.buffer[: pack.end]
-        _zero_gaps(view, sorted(off for (obj, off, n) in self.locations.values() if obj == pack.number),
-                   {off: n for (obj, off, n) in self.locations.values() if obj == pack.number})
         try:
-            pack.future = self.storage.put(self.object_key(pack.number), memoryview(view))
+            pack.future = self.storage.put(self.object_key(pack.number), memoryview(pack.buffer[: pack.end]))
         except BaseException as e:  # reported by close()
             pack.future = Done(error=e)
         self._sent.append(pack)
@@ -200,12 +198,3 @@ class PackWriter:
         """(key below the staged place, size) of every data object, in number order."""
         return [(self.object_key(p.number), p.end) for p in self._packs]
 
-
-def _zero_gaps(view: np.ndarray, offsets: list[int], lengths: dict[int, int]) -> None:
-    """Zero the padding between the chunks of an assembly buffer (it holds an earlier object's
-    bytes there): SPEC 13.2 makes the gaps zeros."""
-    end = 0
-    for off in offsets:
-        if off > end:
-            view[end:off] = 0
-        end = off + lengths[off]
