@@ -209,8 +209,10 @@ class Options:
             grow with processes, not with chunks; docs/multihost.md); ``"auto"``: packed when
             the save runs on several processes, else files (``CKPT_LAYOUT``; default auto).
         pack_object_bytes: packed layout: the size at which a data object is written
-            (``CKPT_PACK_OBJECT_BYTES``; default 2 GiB; on object stores at most a quarter of the
-            host budget, since a save assembles data objects in two buffers of that size).
+            (``CKPT_PACK_OBJECT_BYTES``; default 2 GiB; on object stores also at most a quarter
+            of the host budget, since a save assembles data objects in two buffers of that size,
+            and about a sixth of the process's bytes, at least 64 MiB, so that its uploads run in
+            parallel).
     """
 
     engine: EngineChoice = None

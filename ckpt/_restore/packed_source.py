@@ -42,7 +42,34 @@ class _Part:
         return self._whole.result(timeout)[self._start:self._start + self._length]
 
     def done(self) -> bool:
-        return self._whole.done()
+        done = getattr(self._whole, "done", None)
+        return done() if done is not None else False
+
+
+class _Once:
+    """A future whose result is taken once and kept (an engine's read future may read again on
+    every ``result()``): every chunk of a range shares one read."""
+
+    __slots__ = ("_future", "_lock", "_value", "_error", "_taken")
+
+    def __init__(self, future: Any) -> None:
+        self._future, self._lock, self._taken = future, threading.Lock(), False
+        self._value = self._error = None
+
+    def result(self, timeout: float | None = None) -> np.ndarray:
+        with self._lock:
+            if not self._taken:
+                try:
+                    self._value = self._future.result(timeout)
+                except BaseException as e:  # noqa: BLE001 (raised to every chunk of the range)
+                    self._error = e
+                self._taken, self._future = True, None
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def done(self) -> bool:
+        return self._taken
 
 
 # An index object is at most this large: 36 bytes an entry, 16 M entries (a process holding
@@ -192,7 +219,17 @@ class PackedChunks(WrapperStorage):
 
     def _read_run(self, name: str, run: list, executor: Any, out: dict) -> None:
         start = run[0][0]
-        whole = executor.submit(self.inner.read_range, name, start, run[-1][0] + run[-1][1] - start)
+        length = run[-1][0] + run[-1][1] - start
+        # The engine's own asynchronous ranged read where it has one (TensorStore on object
+        # stores), else a read on the executor.
+        issue = getattr(self.inner, "read_range_async", None)
+        try:
+            whole = issue(name, start, length) if issue is not None else None
+            whole = _Once(whole) if whole is not None else None
+        except (OSError, CheckpointError) as e:  # (reported by each chunk of the range)
+            whole = Done(error=e)
+        if whole is None:
+            whole = executor.submit(self.inner.read_range, name, start, length)
         self.ranges_read += 1
         for offset, length, key in run:
             out[key] = _Part(whole, offset - start, length)

@@ -173,11 +173,14 @@ class _ObjectRead:
     parts copied into one aligned buffer as they are taken; ``result()`` is that buffer."""
 
     def __init__(self, storage: "TensorStoreStorage", key: str, nbytes: int, into: np.ndarray | None,
-                 window: int | None):
+                 window: int | None, start: int | None = None):
         check_key(key)
         if storage._spec.get("driver") == "file":
             check_local_key(storage._spec["path"], key)
         self._storage, self._key, self._nbytes, self._into = storage, key, nbytes, into
+        # `start` given: bytes [start, start + nbytes) of a larger object (a range of a packed
+        # data object), with no probe past them.
+        self._base = start or 0
         self._ranges = [(a, min(a + PART_BYTES, nbytes)) for a in range(0, nbytes, PART_BYTES)] or [(0, 0)]
         self._window = len(self._ranges) if window is None else window
         self._pending: list = []
@@ -187,7 +190,7 @@ class _ObjectRead:
         # longer object is never read (the chunk's checksum covers the bytes that are).
         remote = storage._spec.get("driver") in ("s3", "gcs")
         try:
-            self._probe = None if remote else storage.kv.read(key, byte_range=slice(nbytes, nbytes + 1))
+            self._probe = None if remote or start is not None else storage.kv.read(key, byte_range=slice(nbytes, nbytes + 1))
             self._issue(self._window)
         except Exception as e:
             raise storage_error(e, storage.where(key)) from None
@@ -198,7 +201,7 @@ class _ObjectRead:
         kv = self._storage.kv
         while n > 0 and len(self._pending) < len(self._ranges):
             a, b = self._ranges[len(self._pending)]
-            self._pending.append((a, b, kv.read(self._key, byte_range=slice(a, b)),
+            self._pending.append((a, b, kv.read(self._key, byte_range=slice(self._base + a, self._base + b)),
                                   _deadline(self._storage._timeout_s)))
             n -= 1
 
@@ -368,6 +371,17 @@ class TensorStoreStorage(Storage):
             raise range_short(where, start, length)
         out[:] = np.frombuffer(data, np.uint8)
         return out
+
+    def read_range_async(self, key: str, start: int, length: int) -> Any:
+        """Bytes ``[start, start + length)`` of the object as a future, its ranged GETs of
+        PART_BYTES issued now from this thread (a packed restore's ranges of data objects, as
+        ``read_chunk_async`` reads chunk files: one process restoring 1 GiB from SeaweedFS read
+        0.36-0.47x the raw GET rate through a pool of synchronous ``read_range`` calls); None
+        where a subclass reads ranges its own way (local disk)."""
+        if type(self).read_range is not TensorStoreStorage.read_range:
+            return None
+        check_range(start, length)
+        return _ObjectRead(self, key, length, None, None, start=start)
 
     def read_chunk_async(self, path: str, index: tuple[int, ...], nbytes: int, executor: Any = None,
                          into: np.ndarray | None = None) -> Any:
