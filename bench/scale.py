@@ -5,7 +5,7 @@ process with the library's own code.
 What runs for real: the planner (``plan_save`` per process), the packed writer (``PackWriter``:
 which chunks go into which data objects, at which offsets; chunk bytes are never made, only
 shapes), the index objects (``PackedSave.index_object``, real bytes), the staging and commit of
-the storage (``Storage.stage``, ``commit_packed``: the manifest built from the statuses by
+the storage (``commit_for(store).stage``, ``commit_packed``: the manifest built from the statuses by
 ``PackedSave.manifest_parts`` and written if absent), the coordination (``ckpt._distributed``
 over a counting key-value client, one thread per process, with the real statuses), and the
 restore's lookups (``read_manifest`` and ``PackedChunks.locate`` for every chunk a restoring
@@ -700,6 +700,7 @@ FULL_UP_TO = 128  # every process simulated up to this many
 
 def simulate(tree: str, processes: int, *, straggler_s: float = 0.0, coordination: bool = True,
              full_up_to: int = FULL_UP_TO, target_bytes: int | None = None, reshard: bool = True) -> Figures:
+    from ckpt._commit import commit_for
     from ckpt._format import MANIFEST_NAME, read_manifest
     from ckpt._options import PACK_OBJECT_BYTES
     from ckpt._save.commit import PackedSave, commit_packed
@@ -716,10 +717,10 @@ def simulate(tree: str, processes: int, *, straggler_s: float = 0.0, coordinatio
 
     store = ObjectStore(processes)
     primary = CountingStorage(store, 0)
-    staged0 = primary.stage(overwrite=False)  # (the primary's LIST and owner record)
+    staged0 = commit_for(primary).stage(overwrite=False)  # (the primary's LIST and owner record)
 
     def staged_of(p: int):
-        return staged0 if p == 0 else CountingStorage(store, p).staged_from(staged0.info)
+        return staged0 if p == 0 else commit_for(CountingStorage(store, p)).staged_from(staged0.info)
 
     # Which processes run for real: all, or those whose index objects readers read.
     full = processes <= full_up_to
@@ -747,7 +748,7 @@ def simulate(tree: str, processes: int, *, straggler_s: float = 0.0, coordinatio
             if p in small_writers or base is None:
                 own = _plan(small_arrays, p).writes if p in small_writers else ()
                 region_plan = dataclasses.replace(plan0, writes=regions + tuple(own), pointers=())
-                view = CountingStorage(ObjectStore(processes), p).staged_from(staged0.info)
+                view = commit_for(CountingStorage(ObjectStore(processes), p)).staged_from(staged0.info)
                 index, packing = write_process(view, p, region_plan, arrays, specs, target, False)
                 index = dict(index, crc=0x80000000 | p)  # (never read; 4 bytes, as a real CRC packs)
                 objects = packing.writer.objects

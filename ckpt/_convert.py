@@ -44,10 +44,11 @@ from ckpt._format import (
 from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import ShardingInfo, chunk_box, chunk_grid, full_box, spec_axes
 from ckpt._options import Options, resolve
-from ckpt._orbax import OrbaxLeaf
+from ckpt._orbax import OrbaxLeaf, step_user_metadata
 from ckpt._restore import OrbaxArrays, batch_by_budget, is_orbax, open_layout
-from ckpt._save import after_failed_commit, commit_written, group_paths
-from ckpt.storage import Staged, open_storage
+from ckpt._commit import Staged, after_failed_commit, commit_for
+from ckpt._save import commit_written, group_paths
+from ckpt.storage import open_storage
 
 
 def convert(src: Any, dest: Any, *, overwrite: bool = False, options: Options | None = None) -> None:
@@ -85,7 +86,7 @@ def convert(src: Any, dest: Any, *, overwrite: bool = False, options: Options | 
     arrays.open(range(len(layout.leaves)))
     storage = open_storage(dest, opts)
     paths = storage_paths([leaf.components for leaf in layout.leaves])
-    staged = storage.stage(overwrite=overwrite)
+    staged = commit_for(storage).stage(overwrite=overwrite)
     try:
         try:
             specs: dict[int, tuple[str, ArraySpec]] = {}  # as a save's array_specs: what commit checks
@@ -96,17 +97,25 @@ def convert(src: Any, dest: Any, *, overwrite: bool = False, options: Options | 
                 fut.result()
         except BaseException:
             try:
-                storage.abort(staged)  # nothing committed: all staged is this convert's, unreferenced
+                commit_for(storage).abort(staged)  # nothing committed: all staged is this convert's, unreferenced
             except OSError:
                 pass
             raise
         try:
-            commit_written(storage, staged, layout.tree, records, specs, overwrite=overwrite, action="convert")
+            commit_written(storage, staged, layout.tree, records, specs, overwrite=overwrite, action="convert",
+                           user_metadata=_user_metadata(layout, opts))
         except BaseException as e:
             after_failed_commit(storage, staged, e)
             raise
     finally:
         staged.release()  # (commit and abort release it; this covers any other exit)
+
+
+def _user_metadata(layout: Any, options: Options) -> dict | None:
+    """A step's custom metadata and metrics, kept as a CheckpointManager step of ours keeps
+    them (``metadata(step)``, ``metrics(step)``), so that `ckpt diff` finds no difference with
+    the step jax-ckpt would have saved; None for a PyTree item (it has none)."""
+    return step_user_metadata(open_storage(layout.url, options)) if layout.what == "step" else None
 
 
 def _chunk_shape(rec: LeafRecord) -> tuple[int, ...]:

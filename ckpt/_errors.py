@@ -56,3 +56,19 @@ class ChecksumError(CheckpointError):
     def __init__(self, leaf: str, chunk: tuple[int, ...], file: str, detail: str):
         self.leaf, self.chunk, self.file = leaf, tuple(chunk), file
         super().__init__(f"leaf {leaf!r}, chunk {list(chunk)} ({file}): {detail}")
+
+
+class NotDurableError(CheckpointError):
+    """The checkpoint WAS committed (it is in place and readable), but making the commit durable
+    failed (an fsync after the rename): a crash now could still lose it."""
+
+    committed = True
+
+
+class OutcomeUnknownError(CheckpointError):
+    """A write whose outcome cannot be told: it failed in a way that may have landed (an answer
+    lost, a timeout), and reading the object back failed too. For a manifest: the checkpoint may
+    or may not be committed, and nothing the save wrote was deleted (docs/storage.md, "What a
+    save's error means")."""
+
+    committed = None

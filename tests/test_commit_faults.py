@@ -30,7 +30,9 @@ from ckpt.storage import OutcomeUnknownError
 from ckpt.storage._base import Storage
 from ckpt.storage._fsspec import FsspecStorage
 from ckpt.storage._location import open_storage
-from ckpt.storage._owners import LEASE_NAME, LEASE_TTL_S, OWNER_NAME, _Lease, owner_record
+from ckpt._commit import create
+from ckpt._commit.lease import LEASE_NAME, LEASE_TTL_S, Lease
+from ckpt._commit.owners import OWNER_NAME, owner_record
 from ckpt.storage._tensorstore import TensorStoreStorage, shared_context
 from support import (
     BIG, Faults, FaultyStorage, already_exists, committed_generations, connection_reset, io_error, keys,
@@ -173,7 +175,7 @@ def test_a_lost_answer_to_the_owner_record_write_saves(path, error):
 
 
 def test_owner_records_are_unique():
-    from ckpt.storage._owners import owner_bytes
+    from ckpt._commit.owners import owner_bytes
 
     assert owner_bytes() != owner_bytes()
 
@@ -182,14 +184,14 @@ def test_another_writers_object_is_not_taken_for_ours(path):
     storage = storage_of(path)
     storage.put("k", b"theirs").result()
     with pytest.raises(FileExistsError):
-        storage.create("k", b"ours")
+        create(storage, "k", b"ours")
     faults = Faults()
     faults.fail("put_if_absent", server_error)
     wrapped = faults.engine(path, ckpt.Options().resolved())
     with pytest.raises(FileExistsError, match="another writer"):
-        wrapped.create("k", b"ours")
+        create(wrapped, "k", b"ours")
     with pytest.raises(OSError, match="500"):  # missing on the read-back: provably not written
-        wrapped.create("k2", b"ours")
+        create(wrapped, "k2", b"ours")
     assert not storage.exists("k2")
 
 
@@ -209,11 +211,11 @@ def _stale_lease(storage: Storage) -> None:
 def test_a_lost_answer_to_the_lease_write_does_not_make_a_manager_refuse_itself(path, error):
     faults = Faults()
     faults.lose_answer("put_if_absent", error, when=lambda where, args: where.endswith(LEASE_NAME))
-    lease = Storage.lock_saves(_faulty(path, faults))
+    lease = Lease.acquire(_faulty(path, faults))
     try:
         assert json.loads(storage_of(path).get(LEASE_NAME, max_bytes=BIG))["token"] == lease.record["token"]
         with pytest.raises(ckpt.CheckpointError, match=r"another CheckpointManager \(pid"):
-            Storage.lock_saves(storage_of(path))  # a second one is still refused
+            Lease.acquire(storage_of(path))  # a second one is still refused
     finally:
         lease.release()
     assert not storage_of(path).exists(LEASE_NAME)
@@ -225,8 +227,9 @@ class _LeaseOverFaults(FaultyStorage):
     def wrap(self, inner):
         return _LeaseOverFaults(inner, self.faults)
 
-    def lock_saves(self):
-        return Storage.lock_saves(self)
+    @property
+    def renames(self):  # (so the manager's commit, and its saver lock, are a generation's and a lease)
+        return False
 
 
 def test_the_only_manager_never_refuses_itself(path):
@@ -256,7 +259,7 @@ def test_exactly_one_of_two_racing_takeovers_wins(path):
 
     def take(i: int) -> None:
         try:
-            results[i] = Storage.lock_saves(_faulty(path, faults))
+            results[i] = Lease.acquire(_faulty(path, faults))
         except BaseException as e:  # noqa: BLE001
             results[i] = e
 
@@ -270,7 +273,7 @@ def test_exactly_one_of_two_racing_takeovers_wins(path):
     gate.release.set()
     for t in threads:
         t.join(30)
-    won = [r for r in results if isinstance(r, _Lease)]
+    won = [r for r in results if isinstance(r, Lease)]
     lost = [r for r in results if isinstance(r, BaseException)]
     assert len(won) == 1 and len(lost) == 1, results
     winner = won[0]
@@ -283,7 +286,7 @@ def test_a_lost_answer_to_a_takeover_still_takes_over(path):
     _stale_lease(storage_of(path))
     faults = Faults()
     faults.lose_answer("put_if_version", connection_reset)
-    lease = Storage.lock_saves(_faulty(path, faults))
+    lease = Lease.acquire(_faulty(path, faults))
     assert json.loads(storage_of(path).get(LEASE_NAME, max_bytes=BIG))["token"] == lease.record["token"]
     lease.release()
 
@@ -291,7 +294,7 @@ def test_a_lost_answer_to_a_takeover_still_takes_over(path):
 def test_a_lease_taken_over_is_not_renewed_over_the_winner(path):
     """A manager that stalled past the TTL and was taken over does not overwrite the new
     holder's lease when it renews: it learns that it lost it."""
-    first = Storage.lock_saves(storage_of(path))
+    first = Lease.acquire(storage_of(path))
     first._stop.set()  # no background renewals in this test
     theirs = json.dumps({**owner_record(), "token": "winner"}).encode()
     storage_of(path).put(LEASE_NAME, theirs).result()  # (a takeover meanwhile)
@@ -302,7 +305,7 @@ def test_a_lease_taken_over_is_not_renewed_over_the_winner(path):
 
 def test_a_renewal_whose_answer_was_lost_keeps_the_lease(path):
     faults = Faults()
-    lease = Storage.lock_saves(_faulty(path, faults))
+    lease = Lease.acquire(_faulty(path, faults))
     lease._stop.set()
     faults.lose_answer("put_if_version", server_error)
     lease.renew()
@@ -501,7 +504,7 @@ def test_a_server_refusing_compare_and_swap_still_lets_a_lease_be_taken_over_and
     """Ceph RGW refuses If-Match with a quoted ETag: every compare-and-swap fails although the
     object is unchanged. The takeover then falls back to a plain write checked by a read-back
     (documented as not atomic there), and renewals keep working."""
-    from ckpt.storage import _owners
+    from ckpt._commit import lease as lease_module
 
     _stale_lease(storage_of(path))
     faults = Faults()
@@ -516,7 +519,7 @@ def test_a_server_refusing_compare_and_swap_still_lets_a_lease_be_taken_over_and
 
     refusing = Refusing(storage.inner, faults)
     try:
-        lease = Storage.lock_saves(refusing)
+        lease = Lease.acquire(refusing)
         lease._stop.set()
         assert json.loads(storage_of(path).get(LEASE_NAME, max_bytes=BIG))["token"] == lease.record["token"]
         time.sleep(0.01)
@@ -525,7 +528,7 @@ def test_a_server_refusing_compare_and_swap_still_lets_a_lease_be_taken_over_and
         assert json.loads(storage_of(path).get(LEASE_NAME, max_bytes=BIG))["time"] == lease.record["time"]
         lease.release()
     finally:
-        _owners._CAS_REFUSED.discard(refusing.url)
+        lease_module._CAS_REFUSED.discard(refusing.url)
 
 
 def test_a_manager_whose_lease_was_taken_over_refuses_to_save(path):

@@ -12,10 +12,10 @@ Orbax steps (``<step>/_CHECKPOINT_METADATA``) in the directory are steps too, re
 
 Opening a manager, listing, restoring and reading metadata never change the directory: another
 process may be saving there. Only a manager that saves (process 0, not ``read_only``) deletes
-anything: it claims the directory (``Storage.lock_saves``: a second saving manager gets a
+anything: it claims the directory (``ckpt._commit``'s ``lock``: a second saving manager gets a
 CheckpointError naming the first), and after each commit removes old steps under its retention
 policy (``ckpt._retention``) and the leftovers of saves that provably died
-(``Storage.leftovers``), never a save in progress.
+(``ckpt._commit``'s ``leftovers``), never a save in progress.
 
 Multi-process jobs: every process creates a manager on the same shared directory and calls the
 same methods in the same order. Decisions every process must agree on (``should_save``, whether
@@ -58,7 +58,9 @@ from ckpt._options import Options, resolve
 from ckpt._orbax import step_record
 from ckpt._restore import restore as _restore
 from ckpt._save import SaveHandle, start_save
-from ckpt.storage import NotDurableError, SaveLock, Storage, open_storage
+from ckpt._commit import SaveLock, commit_for
+from ckpt._errors import NotDurableError
+from ckpt.storage import Storage, open_storage
 
 __all__ = ["CheckpointManager", "METADATA_LIMIT_BYTES", "steps_to_delete"]
 _as_step = as_step
@@ -393,7 +395,7 @@ class CheckpointManager:
         self._finish_pending()
         if self._deletes and self._saver_lock is None:
             self.storage.make_dirs()
-            self._saver_lock = self.storage.lock_saves()
+            self._saver_lock = commit_for(self.storage).lock()
         lost = getattr(self._saver_lock, "lost", None)
         if lost:
             # This manager stalled past its lease's expiry and another one took the directory

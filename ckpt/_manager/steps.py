@@ -14,7 +14,8 @@ from ckpt._format import GENERATION_MARK, MANIFEST_NAME, is_temp_name, read_mani
 from ckpt._manager.naming import ManagedStep, StepNaming, committed_steps, scan_named_steps
 from ckpt._manager.retention import METRICS_KEY, StepFacts
 from ckpt._orbax import STEP_METADATA, step_record
-from ckpt.storage import OWNER_LIMIT_BYTES, OWNER_NAME, Storage, owner_gone, parse_owner
+from ckpt._commit import OWNER_LIMIT_BYTES, OWNER_NAME, commit_for, owner_gone, parse_owner
+from ckpt.storage import Storage
 
 
 class StepDirectory:
@@ -92,7 +93,7 @@ class StepDirectory:
             else:
                 # The manifest goes first (or the directory is renamed away), so a crash never
                 # leaves a half-deleted step that looks committed.
-                location.retire()
+                commit_for(location).retire()
         finally:
             with self._pin_lock:
                 self._deleting.discard(entry.step)
@@ -102,14 +103,14 @@ class StepDirectory:
 
     def remove_leftovers(self) -> None:
         """Remove what saves that provably died left here. On local disk every commit already
-        removes dead temporary directories beside it (``Storage.commit``); elsewhere an
+        removes dead temporary directories beside it (``ckpt._commit``); elsewhere an
         uncommitted step prefix holds generations, each judged by its owner record."""
         if self.storage.renames:
             return
         for entry in scan_named_steps(self.storage, self.naming):
             if entry.committed or is_temp_name(entry.name) or self.storage.exists(f"{entry.name}/{STEP_METADATA}"):
                 continue
-            step = self.storage.child(entry.name)
+            step = commit_for(self.storage.child(entry.name))
             for leftover in step.leftovers():
                 if leftover.dead:
                     step.remove_leftover(leftover)
@@ -132,9 +133,10 @@ class StepDirectory:
         if location.exists(MANIFEST_NAME):
             return None
         if not self.storage.renames:
-            for leftover in location.leftovers():
+            generations = commit_for(location)
+            for leftover in generations.leftovers():
                 if leftover.dead:
-                    location.remove_leftover(leftover)
+                    generations.remove_leftover(leftover)
             return None
         if not location.exists_any():
             return None

@@ -36,13 +36,9 @@ from ckpt._options import Options, resolve, save_chunk_cap
 # The door: convert commits as a save does, writing the same groups.
 from ckpt._save.commit import (  # noqa: F401
     INDEX_DIR,
-    Coordinator,
     PackedSave,
-    after_failed_commit,
-    commit_checkpoint,
     commit_packed,
     commit_written,
-    current_coordinator,
     group_paths,
 )
 from ckpt._save.plan import (
@@ -62,7 +58,9 @@ from ckpt._save.stage import (
     stage,
 )
 from ckpt._save.write import END, _write_chunks, array_specs, metadata_share
-from ckpt.storage import NotDurableError, OutcomeUnknownError, PackWriter, Staged, Storage, open_storage
+from ckpt._commit import Coordinator, Staged, after_failed_commit, commit_for, current_coordinator
+from ckpt._errors import NotDurableError, OutcomeUnknownError
+from ckpt.storage import PackWriter, Storage, open_storage
 
 _log = logging.getLogger("ckpt")
 
@@ -471,7 +469,7 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
         def prepare() -> bytes:
             _check_fingerprints([msgpack.unpackb(v) for v in views])
             try:
-                mine.append(storage.stage(overwrite=overwrite))
+                mine.append(commit_for(storage).stage(overwrite=overwrite))
                 return msgpack.packb({"staged": mine[0].info})
             except OSError as e:
                 return msgpack.packb({"errno": e.errno, "error": str(e.strerror)})
@@ -484,7 +482,7 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
             raise
         if "staged" not in decision:
             raise OSError(decision["errno"], decision["error"], final)
-        staged = mine[0] if mine else storage.staged_from(decision["staged"])
+        staged = mine[0] if mine else commit_for(storage).staged_from(decision["staged"])
     except BaseException:
         coord.end_save(save_id)
         raise
@@ -640,7 +638,7 @@ class _SaveJob:
 
     def _abort(self) -> None:
         try:
-            self.storage.abort(self.staged)
+            commit_for(self.storage).abort(self.staged)
         except OSError:
             pass  # left for cleanup: never a checkpoint, since no manifest points to it
 

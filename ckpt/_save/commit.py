@@ -2,25 +2,27 @@
 
 1. Every process computes the save plan and a fingerprint of it; the fingerprints are compared.
 2. The primary process (index 0) checks the destination and stages the save
-   (``Storage.stage``: a temporary sibling directory ``<path>.tmp-<token>`` on local disk, a fresh
+   (``ckpt._commit``'s strategy ``stage``: a temporary sibling directory ``<path>.tmp-<token>`` on local disk, a fresh
    generation prefix ``<path>/gen-<token>/`` elsewhere); where it is is broadcast.
 3. Every process writes its chunks there (each durable before it reports) and reports its status
    and chunk checksums to the primary.
-4. When all succeeded, the primary writes the manifest last (``Storage.commit``: inside the
+4. When all succeeded, the primary writes the manifest last (the strategy's ``commit``: inside the
    temporary directory, which is then renamed into place; or write-if-absent of
-   ``<path>/manifest.msgpack``). Otherwise it removes what was staged (``Storage.abort``).
+   ``<path>/manifest.msgpack``). Otherwise it removes what was staged (``abort``).
 5. The outcome is broadcast; every process returns or raises.
 
 A crash at any point leaves the previous checkpoint (or nothing) at ``<path>``, plus at most
 staged data that no manifest points to, which readers never read. Processes talk through a
-Coordinator: a local one here, the jax.distributed key-value store in ckpt._distributed.
+``ckpt._commit.Coordinator``: a local one, or the jax.distributed key-value store in
+ckpt._distributed. This module builds what the commit writes (the manifest, the packed layout's
+index objects); ``ckpt._commit`` makes it visible.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterable, Protocol
+from typing import Iterable
 
 import crc32c
 import numpy as np
@@ -28,8 +30,6 @@ import numpy as np
 from ckpt._errors import CheckpointError
 from ckpt._format import (
     ALIGN,
-    DATA_DIR,
-    GENERATION_MARK,
     GROUP_METADATA,
     INDEX_DTYPE,
     PACKED_VERSION,
@@ -44,10 +44,10 @@ from ckpt._format import (
     encode_index,
     packed_section,
     is_temp_name,
-    read_manifest,
 )
 from ckpt._geometry import chunk_grid, chunk_index_of, chunk_key, flat_chunk_index
-from ckpt.storage import NotDurableError, OutcomeUnknownError, Staged, Storage
+from ckpt._commit import Staged, commit_checkpoint
+from ckpt.storage import Storage
 
 __all__ = ["TEMP_MARK", "is_temp_name"]
 
@@ -56,98 +56,6 @@ __all__ = ["TEMP_MARK", "is_temp_name"]
 # in the coordination service). '~' never begins a leaf's escaped storage path (except the
 # '~<leaf index>' of a clash, which is never '~index'); the manifest does not reference it.
 INDEX_DIR = "~index"
-
-
-class Coordinator(Protocol):
-    """What the save and commit steps need from the processes of a job."""
-
-    process_index: int
-    process_count: int
-
-    def new_save_id(self) -> str:
-        """An id for the next save; every process gets the same one for the same save.
-        Each call is matched by one ``end_save`` once this process is done with the save."""
-
-    def all_gather(self, key: str, value: bytes) -> list[bytes]:
-        """Every process's `value`, by process index. Raises naming processes that never sent.
-        `key` is ``<save id>/<step>``, used once per save."""
-
-    def gather(self, key: str, value: bytes) -> list[bytes] | None:
-        """Every process's `value`, by process index, on the primary (process 0); None on the
-        others, which do not wait. Raises on the primary naming processes that never sent."""
-
-    def broadcast(self, key: str, make: Callable[[], bytes]) -> bytes:
-        """The primary's `make()`, on every process (if it raises there, the others raise too)."""
-
-    def end_save(self, save_id: str) -> None:
-        """This process made its last exchange of `save_id` (or gave up on the save)."""
-
-
-class LocalCoordinator:
-    """The coordinator of a single-process job."""
-
-    process_index = 0
-    process_count = 1
-
-    def __init__(self) -> None:
-        self._count = 0
-
-    def new_save_id(self) -> str:
-        self._count += 1
-        return str(self._count)
-
-    def all_gather(self, key: str, value: bytes) -> list[bytes]:
-        return [value]
-
-    def gather(self, key: str, value: bytes) -> list[bytes] | None:
-        return [value]
-
-    def broadcast(self, key: str, make: Callable[[], bytes]) -> bytes:
-        return make()
-
-    def end_save(self, save_id: str) -> None:
-        pass
-
-
-_local = LocalCoordinator()
-
-
-def current_coordinator() -> Coordinator:
-    import jax
-
-    if jax.process_count() == 1:
-        return _local
-    from ckpt._distributed import distributed_coordinator
-
-    return distributed_coordinator()
-
-
-def _old_data(storage: Storage) -> Callable[[], Iterable[str]]:
-    """The top-level entries the checkpoint now at `storage` keeps its data in (none if there is
-    no readable checkpoint): what an overwrite deletes after its commit."""
-
-    def entries() -> list[str]:
-        try:
-            old = read_manifest(storage)
-        except (OSError, CheckpointError):
-            return []
-        paths = [l.zarr.path for l in old.leaves if l.zarr is not None]
-        paths += [s.zarr.path for s in getattr(old, "stacks", ())]
-        if old.layout is not None:  # (format version 3: its index objects, even with no arrays)
-            paths += [ref.name for ref in old.layout.indexes]
-            if any(not ref.name.startswith(GENERATION_MARK) for ref in old.layout.indexes):
-                paths.append(DATA_DIR)  # (the flat layout's data objects, beside ~index)
-        tops = {p.split("/", 1)[0] for p in paths}
-        tops |= {st.zarr.path.split("/", 1)[0] for st in old.stacks}
-        flat = [t for t in tops if not t.startswith(GENERATION_MARK)]
-        return sorted(tops) + (["zarr.json"] if flat else [])
-
-    return entries
-
-
-def commit_checkpoint(storage: Storage, staged: Staged, manifest: Manifest, *, overwrite: bool) -> None:
-    """Write the manifest last, making what `staged` holds the checkpoint at `storage`."""
-    storage.commit(staged, manifest.encode(), overwrite=overwrite, old_data=_old_data(storage))
 
 
 def commit_written(storage: Storage, staged: Staged, tree: dict, records: list[LeafRecord],
@@ -172,24 +80,6 @@ def commit_written(storage: Storage, staged: Staged, tree: dict, records: list[L
     manifest = Manifest(tree, list(records), user_metadata=user_metadata, library_version=__version__,
                         stacks=list(stacks), format_version=STACKS_VERSION if stacks else 1, zarr_json=zarr_json)
     commit_checkpoint(storage, staged, manifest, overwrite=overwrite)
-
-
-def after_failed_commit(storage: Storage, staged: Staged, error: BaseException) -> None:
-    """Clean up after ``commit_written`` raised `error`: remove the staged data unless it may
-    now be a checkpoint's. A NotDurableError committed. An OutcomeUnknownError (the manifest
-    write failed in a way that may have landed, and reading it back could not tell) deletes
-    nothing: a manifest that did land points to this data. Anything else committed nothing of
-    ours, as the storage's commit settles a failed manifest write by reading it back: a lost
-    race (FileExistsError: another save's manifest is there), a write that provably did not
-    land, or a failure before the manifest write; its generation is removed (what cannot be
-    removed now is a dead leftover for cleanup, never a checkpoint). An interruption
-    (KeyboardInterrupt...) may have come at any moment: nothing is deleted."""
-    if isinstance(error, (NotDurableError, OutcomeUnknownError)) or not isinstance(error, Exception):
-        return
-    try:
-        storage.abort(staged)
-    except OSError:
-        pass  # left for cleanup: never a checkpoint, since no manifest points to it
 
 
 def group_paths(array_paths: Iterable[str], prefix: str) -> set[str]:

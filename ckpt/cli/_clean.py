@@ -18,7 +18,8 @@ from typing import Any
 from ckpt._errors import CheckpointError
 from ckpt._format import GENERATION_MARK, MANIFEST_NAME, is_temp_name, read_manifest
 from ckpt._options import Options
-from ckpt.storage import Leftover, Storage
+from ckpt._commit import Leftover, commit_for
+from ckpt.storage import Storage
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def _referenced(storage: Storage) -> set[str] | None:
 
 def _below(storage: Storage) -> list[Found]:
     referenced = _referenced(storage)
-    found = storage.leftovers(referenced or ())
+    found = commit_for(storage).leftovers(referenced or ())
     if referenced is None:  # an unreadable manifest: its generations may be its data
         found = [l for l in found if not l.name.startswith(GENERATION_MARK)]
     return [Found(storage, l) for l in found]
@@ -68,7 +69,7 @@ def find_leftovers(storage: Storage) -> list[Found]:
                 found += _below(storage.child(name))
     elif storage.exists(MANIFEST_NAME):
         parent = storage.parent()
-        found += [Found(parent, l) for l in parent.leftovers() if l.name.startswith(storage.name + ".tmp-")]
+        found += [Found(parent, l) for l in commit_for(parent).leftovers() if l.name.startswith(storage.name + ".tmp-")]
     return found
 
 
@@ -115,7 +116,7 @@ def clean(storage: Storage, *, dry_run: bool) -> list[dict[str, Any]]:
     for f in find_leftovers(storage):
         removed = False
         if f.leftover.dead and not dry_run:
-            removed = f.area.remove_leftover(f.leftover)
+            removed = commit_for(f.area).remove_leftover(f.leftover)
         report.append({"path": f.path, "dead": f.leftover.dead, "removed": removed, "why": f.leftover.why})
     return report
 

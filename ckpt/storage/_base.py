@@ -3,17 +3,8 @@
 A ``Storage`` is bound to one location (a directory or key prefix) and sees everything below it
 by *key*: a relative, ``/``-separated path (``manifest.msgpack``, ``params/w/c/0/1``). It is
 shaped like zarr-python's ``Store`` (get / set / set_if_not_exists / delete / list_dir, with
-capability flags) for bytes, and like PyTorch DCP's ``StorageWriter`` for the commit: the save
-path stages data with ``stage``, and ``commit(staged, manifest)`` makes it a checkpoint in one
-step (``finish(metadata)`` in DCP). Engines implement the primitives; the commit built on them
-lives here, once, for every backend:
-
-* the manifest is the commit point: written last, and only where none is (a rename of a staged
-  directory on local disk, a write-if-absent elsewhere);
-* a location without a manifest is never a checkpoint;
-* an overwrite never exposes a mix of old and new data: new data goes to a fresh place that only
-  the new manifest points to (a staged directory swapped in by rename, or a fresh generation
-  prefix), and old data is deleted only after the new manifest is in place.
+capability flags): bytes only. How a checkpoint becomes visible (staging, the manifest written
+last, owner records, leftovers, leases) is ``ckpt._commit``'s, built on these primitives.
 
 Every error an engine raises reaches callers as ``OSError`` (``FileNotFoundError`` for a missing
 object, ``PermissionError``, ``ENOSPC``, ``EIO``...) or ``CheckpointError``, naming the object.
@@ -29,11 +20,6 @@ systems they follow a symbolic link whose target, resolved with ``realpath``, st
 location (a Hugging Face cache is made of links into its ``blobs/`` directory); a link that
 leaves it is a ``CheckpointError`` naming the link. A jax-ckpt checkpoint's own files are never
 read through a link.
-
-Saves in progress are never disturbed by anyone else: each staged directory or generation
-carries an owner record (``OWNER_NAME``: host, boot, process) and, on local disk, a lock its
-saving process holds; ``leftovers`` tells dead staged data (its owner provably gone) from a save
-in progress, and only dead leftovers are ever removed (by the next save, or ``ckpt clean``).
 """
 
 from __future__ import annotations
@@ -41,76 +27,18 @@ from __future__ import annotations
 import contextlib
 import errno
 import queue
-import secrets
 import threading
-import warnings
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
 from ckpt._errors import CheckpointError
-from ckpt._format import (
-    GENERATION_MARK,
-    GROUP_METADATA,
-    MANIFEST_NAME,
-    ArraySpec,
-    array_metadata_bytes,
-)
+from ckpt._format import GROUP_METADATA, ArraySpec, array_metadata_bytes
 from ckpt._geometry import Box, box_shape, chunk_key
 from ckpt._memory import aligned_empty
 from ckpt.storage._confine import check_key
-from ckpt.storage._owners import (
-    _GENERATION,
-    _OWN_TEMP,
-    OWNER_LIMIT_BYTES,
-    OWNER_NAME,
-    Leftover,
-    LiveMark,
-    SaveLock,
-    _Lease,
-    owner_bytes,
-    owner_gone,
-    parse_owner,
-)
-
-
-def not_a_checkpoint(where: str, what: str) -> FileExistsError:
-    """The error of a save to a location that holds something other than a jax-ckpt checkpoint
-    (user files, another library's checkpoint, a manager directory): never replaced, whatever
-    `overwrite` says."""
-    return FileExistsError(errno.EEXIST, f"exists and is not a jax-ckpt checkpoint ({what}); nothing was written, "
-                                         "and overwrite replaces only a jax-ckpt checkpoint", where)
-
-
-def _some(names: list[str], most: int = 3) -> str:
-    shown = ", ".join(repr(n) for n in sorted(names)[:most])
-    return f"{len(names)} entr{'y' if len(names) == 1 else 'ies'}: {shown}" + (", ..." if len(names) > most else "")
-
-
-class NotDurableError(CheckpointError):
-    """The checkpoint WAS committed (it is in place and readable), but making the commit durable
-    failed (an fsync after the rename): a crash now could still lose it."""
-
-    committed = True
-
-
-class OutcomeUnknownError(CheckpointError):
-    """A write whose outcome cannot be told: it failed in a way that may have landed (an answer
-    lost, a timeout), and reading the object back failed too. For a manifest: the checkpoint may
-    or may not be committed, and nothing the save wrote was deleted (docs/storage.md, "What a
-    save's error means")."""
-
-    committed = None
-
-
-def may_still_land(error: BaseException) -> bool:
-    """Whether a failed request may still be applied by the server after the caller saw it fail:
-    a timeout of the caller's own (the request may be in flight, or queued in a client's retry
-    loop), so that an object missing on a read-back does not prove it will stay missing."""
-    return isinstance(error, TimeoutError) or getattr(error, "errno", None) == errno.ETIMEDOUT
 
 
 class Usage(NamedTuple):
@@ -233,36 +161,6 @@ class Done:
 
     def done(self) -> bool:
         return True
-
-
-def _text(e: BaseException) -> str:
-    return str(e) or type(e).__name__
-
-
-def os_error(code: int, what: str, where: str) -> OSError:
-    """An OSError of the right subclass for `code` (e.g. FileNotFoundError for ENOENT)."""
-    return OSError(code, what, where)
-
-
-@dataclass(frozen=True)
-class Staged:
-    """Where a save writes before its commit.
-
-    storage: the location array keys are written under; prefix: prepended to every storage path
-    recorded in the manifest (a generation prefix, or '' when the staged directory becomes the
-    checkpoint by rename); info: what other processes need to find the same place
-    (``Storage.staged_from(info)``), msgpack-able.
-    """
-
-    storage: "Storage"
-    prefix: str
-    info: dict
-    # The primary's hold on the staged place (released by commit or abort), None elsewhere.
-    lock: Any = field(default=None, compare=False, repr=False)
-
-    def release(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
 
 
 class Storage(ABC):
@@ -409,53 +307,6 @@ class Storage(ABC):
         when the object changed meanwhile (nothing written). Only where ``versioned_writes``."""
         raise NotImplementedError(f"{type(self).__name__} has no versioned writes")
 
-    def create(self, key: str, data: bytes, *, what: str = "object") -> None:
-        """``put_if_absent`` that is safe against lost answers and its engine's own retries:
-        when the write reports that the object exists, or fails in a way that may have landed
-        (a reset after the server stored it, a 500, a timeout), the object is read back, and
-        if it holds exactly `data` the write succeeded (`data` must be unique to this writer:
-        a manifest names a fresh generation, owner records and leases carry a token).
-        FileExistsError when another writer's object is there; the write's own error when it
-        provably did not land; OutcomeUnknownError (naming `what` and the object) when neither
-        the write nor the read-back can tell."""
-        try:
-            self.put_if_absent(key, data)
-            return
-        except Exception as e:  # noqa: BLE001 (settled below)
-            self.settle_write(key, data, e, what=what)
-
-    def settle_write(self, key: str, data: bytes, error: BaseException, *, what: str = "object",
-                     replace: bool = False) -> None:
-        """After a write of `data` to `key` failed with `error`: return if the object holds
-        exactly `data` (the write landed, its answer lost or its retry refused), raise otherwise
-        (see ``create``). A missing object (with `replace`, an unconditional write: any other
-        object) means the write did not land, and the error is raised, unless the error says it
-        may still land (``may_still_land``): then OutcomeUnknownError."""
-        try:
-            there = self.get(key, max_bytes=max(len(data), 1))
-        except FileNotFoundError:
-            there = None
-        except CheckpointError:
-            there = b""  # larger than ours, or no plain object: not ours
-        except Exception as e2:
-            raise OutcomeUnknownError(
-                f"{what} {self.where(key)}: outcome unknown (written or not): the write failed ({_text(error)}) "
-                f"and reading it back failed too ({_text(e2)})") from error
-        if there == data:
-            return
-        if there is None or replace:
-            if isinstance(error, FileExistsError) and not replace:
-                raise error
-            if may_still_land(error):
-                raise OutcomeUnknownError(
-                    f"{what} {self.where(key)}: outcome unknown (written or not): the write failed "
-                    f"({_text(error)}) and may still land") from error
-            raise error
-        if isinstance(error, FileExistsError):
-            raise error
-        raise FileExistsError(errno.EEXIST, f"already exists (another writer's; our write failed: {_text(error)})",
-                              self.where(key)) from error
-
     @abstractmethod
     def exists(self, key: str) -> bool:
         """Whether the object `key` exists."""
@@ -530,233 +381,6 @@ class Storage(ABC):
         pool, ``io_concurrency`` threads); engines with asynchronous I/O of their own override
         it to issue the read from the calling thread, with the same checks as read_exact."""
         return executor.submit(self.read_chunk, path, index, nbytes, into)
-
-    # ---- commit ------------------------------------------------------------------------
-
-    def stage(self, *, overwrite: bool) -> Staged:
-        """Check this location and prepare the place a save writes to (primary process only),
-        its owner record written first. FileExistsError when a checkpoint is here and not
-        `overwrite`, and, overwrite or not, when something that is not a jax-ckpt checkpoint is
-        here (``not_a_checkpoint``): an overwrite replaces only a checkpoint.
-
-        Default (no rename): a fresh generation prefix inside this location."""
-        files, dirs = self.list_dir("")
-        if MANIFEST_NAME not in files:
-            # Generation prefixes without a manifest are what failed saves leave: not data.
-            others = files + [f"{d}/" for d in dirs if not d.startswith(GENERATION_MARK)]
-            if others:
-                raise not_a_checkpoint(self.url, f"it holds {_some(others)}")
-        elif not overwrite:
-            raise FileExistsError(errno.EEXIST, "checkpoint already exists (pass overwrite=True to replace it)", self.url)
-        generation = f"{GENERATION_MARK}{secrets.token_hex(6)}"
-        place = self.child(generation)
-        mark = LiveMark(place.url)
-        try:
-            # (A lost answer retried is our own record, recognised: owner records carry a token.)
-            try:
-                place.create(OWNER_NAME, owner_bytes(), what="owner record")
-            except OutcomeUnknownError as e:
-                # Nothing can have been committed yet: a plain failure of the save.
-                raise CheckpointError(f"save to {self.url} failed before writing anything else, nothing "
-                                      f"committed: {e}") from e
-        except BaseException:
-            mark.release()
-            raise
-        return Staged(place, generation + "/", {"generation": generation}, mark)
-
-    def staged_from(self, info: dict) -> Staged:
-        """The same Staged as the primary's ``stage`` returned, from its `info`."""
-        generation = info["generation"]
-        return Staged(self.child(generation), generation + "/", info)
-
-    def publish(self, staged: Staged, *, overwrite: bool) -> "Storage | None":
-        """Rename backends only: move the staged directory (manifest inside) to this location in
-        one atomic step, replacing what is here when `overwrite`. Returns the storage now holding
-        what was displaced (to delete once the commit is durable), or None. Raises only if
-        nothing was moved (an engine that cannot tell checks where its staged directory is)."""
-        raise NotImplementedError(f"{type(self).__name__} has no rename")
-
-    def commit(self, staged: Staged, manifest: bytes, *, overwrite: bool,
-               old_data: Callable[[], Iterable[str]] | None = None) -> None:
-        """Write the manifest last, making the staged data a checkpoint at this location; then
-        remove leftovers of dead saves beside it (``leftovers``). The staged place's lock is
-        released in every case.
-
-        Rename backends: the owner record is removed, the manifest written (fsynced) into the
-        staged directory and the directory fsynced; ``publish`` renames it into place; then the
-        parent is fsynced (a failure there raises NotDurableError: committed, maybe not durable,
-        and the displaced old checkpoint is kept), and the displaced checkpoint is deleted.
-
-        Otherwise: the manifest is written if absent (FileExistsError when another save
-        committed first; its data is untouched), or, when overwriting, replaced in one write;
-        then the previous checkpoint's data is deleted. A manifest write that fails is settled
-        by reading the manifest back: ours there is a commit; OutcomeUnknownError when that
-        cannot be told (the caller then deletes nothing: ``_save.commit.after_failed_commit``). `old_data()` names the top-level entries
-        the previous manifest referenced (evaluated before the new manifest is written).
-        """
-        try:
-            if self.renames:
-                self._commit_by_rename(staged, manifest, overwrite=overwrite)
-            else:
-                self._commit_by_conditional_write(staged, manifest, overwrite=overwrite, old_data=old_data)
-        finally:
-            staged.release()
-        if self.renames or overwrite:  # (elsewhere only an overwritten location can hold some)
-            self.remove_dead_leftovers(keep=staged)
-
-    def _commit_by_rename(self, staged: Staged, manifest: bytes, *, overwrite: bool) -> None:
-        place = staged.storage
-        place.delete(OWNER_NAME)  # the checkpoint holds only what the format describes
-        place.put_if_absent(MANIFEST_NAME, manifest)
-        place.sync("")
-        displaced = self.publish(staged, overwrite=overwrite)
-        # Committed: from here on the save has succeeded, whatever fails.
-        try:
-            self.parent().sync("")
-        except OSError as e:
-            raise NotDurableError(
-                f"checkpoint {self.url} was committed (it is in place and readable), but it may not be durable: "
-                f"syncing its directory entry failed: {e}"
-                + (f"; the previous checkpoint is kept at {displaced.url}" if displaced is not None else "")
-            ) from e
-        if displaced is not None:
-            try:
-                displaced.delete_tree("")
-            except OSError as e:
-                warnings.warn(f"checkpoint {self.url} committed, but the previous one at {displaced.url} could not "
-                              f"be deleted: {e}", RuntimeWarning, stacklevel=3)
-
-    def _commit_by_conditional_write(self, staged: Staged, manifest: bytes, *, overwrite: bool,
-                                     old_data: Callable[[], Iterable[str]] | None) -> None:
-        stale = list(old_data()) if (overwrite and old_data is not None) else []
-        # The manifest names this save's fresh generation, so its bytes are this save's own: a
-        # write that reports failure (or "exists": its own retry of a write whose answer was
-        # lost) is settled by reading the manifest back (``settle_write``). Raises
-        # FileExistsError (another save committed first), OutcomeUnknownError (neither the
-        # write nor the read-back can tell: nothing may be deleted), or the write's own error
-        # when it provably did not land.
-        if overwrite:
-            try:
-                self.put(MANIFEST_NAME, manifest).result()
-            except Exception as e:  # noqa: BLE001 (settled)
-                self.settle_write(MANIFEST_NAME, manifest, e, what="manifest", replace=True)
-        else:
-            self.create(MANIFEST_NAME, manifest, what="manifest")
-        # Committed: from here on nothing may fail the save. Old data that cannot be deleted
-        # now is unreferenced and only costs space.
-        keep = staged.prefix.rstrip("/")
-        for entry in stale:
-            if entry == keep:
-                continue
-            try:
-                self.delete(entry) if entry.endswith(".json") else self.delete_tree(entry)
-            except OSError as e:
-                warnings.warn(f"checkpoint {self.url} committed, but its previous data {self.where(entry)} "
-                              f"could not be deleted: {e}", RuntimeWarning, stacklevel=3)
-        try:
-            staged.storage.delete(OWNER_NAME)
-        except OSError as e:
-            warnings.warn(f"checkpoint {self.url} committed, but its owner record could not be removed: {e}",
-                          RuntimeWarning, stacklevel=3)
-
-    def abort(self, staged: Staged) -> None:
-        """Remove what a save that will not commit staged, then release its lock."""
-        try:
-            staged.storage.delete_tree("")
-        finally:
-            staged.release()
-
-    # ---- leftovers of saves ----------------------------------------------------------------
-
-    def staging_area(self) -> "Storage":
-        """Where saves to this location stage (the parent on rename backends, else here)."""
-        return self.parent() if self.renames else self
-
-    def leftovers(self, referenced: Iterable[str] = ()) -> list[Leftover]:
-        """Staged data of saves directly below this location, each judged dead or alive:
-        temporary directories the library names (``<name>.tmp-<hex>``) and generation prefixes
-        not in `referenced` (the generations a manifest here points to). Default (no locks):
-        dead when the owner record is missing (a generation's record is its first object, and
-        goes only once its manifest is written) or names a process provably gone."""
-        files, dirs = self.list_dir("")
-        keep = {r.strip("/") for r in referenced}
-        out = []
-        for name in dirs:
-            if name in keep or not (_OWN_TEMP.fullmatch(name) or _GENERATION.fullmatch(name)):
-                continue
-            out.append(self._judge(name))
-        return out
-
-    def _judge(self, name: str) -> Leftover:
-        try:
-            owner = parse_owner(self.get(f"{name}/{OWNER_NAME}", max_bytes=OWNER_LIMIT_BYTES))
-        except FileNotFoundError:
-            return Leftover(name, True, "no save owns it (no owner record)")
-        except (OSError, CheckpointError) as e:
-            return Leftover(name, False, f"its owner record cannot be read ({e})")
-        if owner is None:
-            return Leftover(name, False, "its owner record is unreadable")
-        dead, why = owner_gone(owner, place=self.where(name))
-        return Leftover(name, dead, why, owner)
-
-    def remove_leftover(self, leftover: Leftover) -> bool:
-        """Remove a dead leftover if it is still dead; whether it was removed."""
-        now = self._judge(leftover.name)
-        if not now.dead:
-            return False
-        # A committed save writes its manifest before it removes its owner record, so a
-        # generation seen without an owner may be the data of a checkpoint that committed since
-        # this location was judged uncommitted: a generation the manifest here now mentions
-        # stays (at worst a crashed save's bytes are left behind; never a checkpoint's data
-        # deleted). Generations it does not mention (an overwritten checkpoint's) still go.
-        if leftover.name.startswith(GENERATION_MARK) and self._manifest_mentions(leftover.name):
-            return False
-        self.delete_tree(leftover.name)
-        return True
-
-    def _manifest_mentions(self, name: str) -> bool:
-        """Whether the manifest here (if any) holds the text `name` anywhere (a storage path in
-        it, so its generation is referenced); True when it cannot be read (keep, to be safe)."""
-        try:
-            return name.encode() in self.get(MANIFEST_NAME, max_bytes=1 << 30)
-        except FileNotFoundError:
-            return False
-        except (OSError, CheckpointError):
-            return True
-
-    def remove_dead_leftovers(self, keep: Staged | None = None) -> list[str]:
-        """Remove the dead leftovers of saves where saves to this location stage (the next save
-        to the same parent cleans up after crashed ones); failures are warnings. Returns what was
-        removed. On backends without rename only the generations inside this checkpoint are
-        looked at, and only when it has a manifest (the manager handles uncommitted steps)."""
-        area = self.staging_area()
-        removed = []
-        try:
-            if self.renames:
-                found = area.leftovers()
-            else:
-                if not self.exists(MANIFEST_NAME):
-                    return []
-                found = self.leftovers([keep.prefix] if keep is not None else [])
-            for leftover in found:
-                if leftover.dead and area.remove_leftover(leftover):
-                    removed.append(area.where(leftover.name))
-        except (OSError, CheckpointError) as e:
-            warnings.warn(f"could not remove leftovers of earlier saves in {area.url}: {e}", RuntimeWarning,
-                          stacklevel=2)
-        return removed
-
-    def lock_saves(self) -> SaveLock:
-        """Claim this location (a manager directory) for one saver: CheckpointError naming the
-        holder when another one has it. Default (no locks): a lease object renewed in the
-        background while held and presumed abandoned after LEASE_TTL_S without renewal."""
-        return _Lease.acquire(self)
-
-    def retire(self) -> None:
-        """Delete the checkpoint at this location so that no moment shows a half-deleted one as
-        committed: the manifest goes first, then the data."""
-        self.delete(MANIFEST_NAME)
-        self.delete_tree("")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"

@@ -2,9 +2,9 @@
 
 Chunk files are written by the library's own I/O threads with O_DIRECT from its page-aligned
 staging buffers (each file and its directory fsynced; ``_chunk_files``) and read back whole with
-O_DIRECT into aligned buffers; small files, listing and deletion are plain system calls. A save is staged in a sibling
-``<path>.tmp-<hex>`` directory and committed by one rename (renameat2 NOREPLACE, or EXCHANGE when
-overwriting), so the checkpoint's own layout has no generation prefix.
+O_DIRECT into aligned buffers; small files, listing and deletion are plain system calls. The
+directory renames a commit makes (``rename_noreplace``, ``exchange``: renameat2) are here too;
+the commit that uses them is ``ckpt._commit.rename``.
 
 Reads are confined to the checkpoint: every file is reached by an ``openat`` walk from the
 checkpoint directory's own descriptor with ``O_NOFOLLOW`` on every component (a symbolic link
@@ -16,11 +16,6 @@ so an overwrite's rename-exchange cannot switch checkpoints under a reader. Rang
 target (``realpath``) stays under the directory, and the target is then opened by the same
 ``O_NOFOLLOW`` walk from the directory's descriptor (so a link swapped in meanwhile is refused,
 not followed); a link out of the directory is an error.
-
-Saves in progress are protected by ``flock``: the saving process holds an exclusive lock on its
-staged directory (and writes an owner record in it) until the rename; a manager holds one on its
-directory while it saves. A staged directory is a dead leftover only once its lock is free and
-its owner record says its process is gone.
 """
 
 from __future__ import annotations
@@ -30,46 +25,26 @@ import ctypes
 import errno
 import math
 import os
-import secrets
 import shutil
 import stat
 import threading
-import time
 from typing import Any, Iterator
 
 import numpy as np
 
 from ckpt._errors import CheckpointError
-from ckpt._format import MANIFEST_NAME, TEMP_MARK, ArraySpec
+from ckpt._format import ArraySpec
 from ckpt._geometry import Box, chunk_index_of, chunk_key
 from ckpt._memory import aligned_empty
 from ckpt.storage._base import (
-    Staged,
     Usage,
-    _some,
     check_range,
-    not_a_checkpoint,
     range_buffer,
     range_short,
     size_mismatch,
 )
 from ckpt.storage._chunk_files import ChunkFileWriter, PackFile, fsync_path
 from ckpt.storage._confine import check_key, file_kind, link_target_within
-from ckpt.storage._owners import (
-    _OWN_TEMP,
-    OWNER_LIMIT_BYTES,
-    OWNER_NAME,
-    UNOWNED_GRACE_S,
-    DirLock,
-    Leftover,
-    SaveLock,
-    _boot_id,
-    _lock_holder,
-    owner_bytes,
-    owner_gone,
-    owner_text,
-    parse_owner,
-)
 from ckpt.storage._tensorstore import TensorStoreStorage, shared_context
 
 _PAGE = 4096
@@ -158,22 +133,6 @@ def _refusal(where: str, st: os.stat_result | None, wanted: str) -> CheckpointEr
     return CheckpointError(f"{where} is not {wanted} ({kind})")
 
 
-def _not_a_checkpoint(path: str) -> str | None:
-    """What is at `path` when it is not a jax-ckpt checkpoint (nor an empty directory, which
-    holds nothing an overwrite could lose); None when it is one."""
-    if os.path.islink(path):
-        return f"a symbolic link to {os.readlink(path)!r}: save to the path it points to"
-    if not os.path.isdir(path):
-        return "a file" if os.path.isfile(path) else "not a directory"
-    try:
-        names = os.listdir(path)
-    except OSError as e:
-        return f"a directory that cannot be listed: {e.strerror}"
-    if not names or MANIFEST_NAME in names:
-        return None
-    return f"a directory holding {_some([n + '/' if os.path.isdir(os.path.join(path, n)) else n for n in names])}"
-
-
 class LocalStorage(TensorStoreStorage):
     """A directory on the local file system (`root`: an absolute path). `pinned_fd`: an open
     descriptor of the directory that every read goes through (see ``pin``)."""
@@ -187,7 +146,6 @@ class LocalStorage(TensorStoreStorage):
         self.root = os.path.abspath(root)
         self._concurrency = concurrency
         self._pinned_fd = pinned_fd
-        self._hold: DirLock | None = None  # set on a displaced checkpoint until it is removed
         self._chunk_writer: ChunkFileWriter | None = None
         # A pinned storage keeps the files its ranged reads opened until the pin ends (opened
         # confined, once: a safetensors restore reads one file in thousands of ranges, and a
@@ -491,173 +449,11 @@ class LocalStorage(TensorStoreStorage):
             remove_tree(path)
         else:
             self.delete(prefix)
-        if not prefix and self._hold is not None:
-            self._hold.release()
 
     def sync(self, key: str = "") -> None:
         fsync_path(self._path(key))
-
-    # ---- commit: a staged sibling directory, renamed into place --------------------------
-
-    def stage(self, *, overwrite: bool) -> Staged:
-        if os.path.lexists(self.root):
-            what = _not_a_checkpoint(self.root)
-            if what is not None:
-                raise not_a_checkpoint(self.root, what)
-            if not overwrite:
-                raise FileExistsError(errno.EEXIST, "checkpoint already exists (pass overwrite=True to replace it)",
-                                      self.root)
-        os.makedirs(os.path.dirname(self.root), exist_ok=True)
-        tmp = f"{self.root}{TEMP_MARK}{secrets.token_hex(6)}"
-        os.mkdir(tmp)
-        lock = None
-        try:
-            lock = DirLock.acquire(tmp)  # (a cleaner may be looking at it for a moment)
-            with open(os.path.join(tmp, OWNER_NAME), "xb") as f:
-                f.write(owner_bytes())
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            remove_tree(tmp)
-            raise
-        return Staged(LocalStorage(tmp, self._concurrency), "", {"tmp": os.path.basename(tmp)}, lock)
-
-    def staged_from(self, info: dict) -> Staged:
-        tmp = os.path.join(os.path.dirname(self.root), info["tmp"])
-        return Staged(LocalStorage(tmp, self._concurrency), "", info)
-
-    def publish(self, staged: Staged, *, overwrite: bool) -> "LocalStorage | None":
-        tmp, final = staged.storage.where(""), self.root
-        st = os.lstat(tmp)
-        staged_id = (st.st_dev, st.st_ino)
-
-        def landed() -> bool:  # an error after the kernel made the rename: it happened
-            try:
-                now = os.lstat(final)
-            except OSError:
-                return False
-            return (now.st_dev, now.st_ino) == staged_id
-
-        try:
-            if overwrite and os.path.lexists(final):
-                if exchange(tmp, final):
-                    return LocalStorage(tmp, self._concurrency)  # holds the previous checkpoint now
-                # No atomic exchange here: the old checkpoint is moved aside (locked, so that no
-                # cleaner removes it meanwhile), never modified, and moved back if the rename fails.
-                old = f"{final}{TEMP_MARK}old-{secrets.token_hex(6)}"
-                hold = DirLock.try_acquire(final)
-                os.rename(final, old)
-                try:
-                    os.rename(tmp, final)
-                except BaseException:
-                    if not landed():
-                        os.rename(old, final)
-                        if hold is not None:
-                            hold.release()
-                        raise
-                displaced = LocalStorage(old, self._concurrency)
-                displaced._hold = hold
-                return displaced
-            rename_noreplace(tmp, final)
-            return None
-        except OSError:
-            if landed():
-                return LocalStorage(tmp, self._concurrency) if os.path.lexists(tmp) else None
-            raise
-
-    def retire(self) -> None:
-        # A rename to a temporary name first (after which it is no longer a checkpoint), made
-        # durable, then the removal of the files, under a lock so no cleaner races the removal.
-        hold = DirLock.try_acquire(self.root)
-        try:
-            retired = f"{self.root}{TEMP_MARK}deleted-{secrets.token_hex(6)}"
-            os.rename(self.root, retired)
-            fsync_path(os.path.dirname(self.root))
-            remove_tree(retired)
-        finally:
-            if hold is not None:
-                hold.release()
 
     def make_dirs(self) -> None:
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", self.root)
         os.makedirs(self.root, exist_ok=True)
-
-    # ---- leftovers and the saver lock ----------------------------------------------------
-
-    def leftovers(self, referenced=()) -> list[Leftover]:
-        """The library's temporary directories directly below this directory, judged by their
-        locks and owner records (see the module docstring)."""
-        out = []
-        try:
-            with os.scandir(self.root) as it:
-                names = [e.name for e in it if _OWN_TEMP.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        for name in sorted(names):
-            try:
-                lock = DirLock.try_acquire(self._path(name))
-            except FileNotFoundError:
-                continue  # committed or removed meanwhile
-            except OSError as e:
-                out.append(Leftover(name, False, f"cannot be opened ({e.strerror})"))
-                continue
-            if lock is None:
-                owner = self._owner(name)
-                out.append(Leftover(name, False, f"a save in progress holds its lock ({owner_text(owner)})", owner))
-                continue
-            try:
-                out.append(self._judge_locked(name, lock))
-            finally:
-                lock.release()
-        return out
-
-    def _owner(self, name: str) -> dict | None:
-        try:
-            return parse_owner(self.get(f"{name}/{OWNER_NAME}", max_bytes=OWNER_LIMIT_BYTES))
-        except (OSError, CheckpointError):
-            return None
-
-    def _judge_locked(self, name: str, lock: DirLock) -> Leftover:
-        """Judge a temporary directory whose lock we hold: its saver has released it."""
-        kind = _OWN_TEMP.fullmatch(name).group(1)
-        if kind == "deleted":
-            return Leftover(name, True, "a checkpoint being deleted, which nobody is deleting any more")
-        if kind == "old":
-            return Leftover(name, True, "a replaced checkpoint, which nobody is removing any more")
-        owner = self._owner(name)
-        if owner is None:
-            age = time.time() - os.fstat(lock.fd).st_mtime
-            if age > UNOWNED_GRACE_S:
-                return Leftover(name, True, f"no save owns it (no owner record, untouched for {age:.0f} s)")
-            return Leftover(name, False, f"no owner record yet (untouched for {age:.0f} s; left alone for "
-                                         f"{UNOWNED_GRACE_S:.0f} s)")
-        if owner.get("boot_id") and owner.get("boot_id") == _boot_id():
-            return Leftover(name, True, f"its save ({owner_text(owner)}) ended without committing it", owner)
-        dead, why = owner_gone(owner)
-        return Leftover(name, dead, why, owner)
-
-    def remove_leftover(self, leftover: Leftover) -> bool:
-        path = self._path(leftover.name)
-        try:
-            lock = DirLock.try_acquire(path)
-        except FileNotFoundError:
-            return False
-        if lock is None:
-            return False
-        try:
-            if not self._judge_locked(leftover.name, lock).dead:
-                return False
-            remove_tree(path)  # under the lock: no other cleaner works on it meanwhile
-            return True
-        finally:
-            lock.release()
-
-    def lock_saves(self) -> SaveLock:
-        self.make_dirs()
-        lock = DirLock.try_acquire(self.root)
-        if lock is None:
-            raise CheckpointError(
-                f"another CheckpointManager ({_lock_holder(self.root)}) is saving to {self.root}: two managers cannot "
-                "save to one directory (close the other one, or save to another directory)")
-        return lock

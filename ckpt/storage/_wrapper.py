@@ -3,39 +3,28 @@
 Subclass it and override the operations to observe, delay or fail; locations derived from a
 wrapped storage (children, parents, staged directories) are wrapped the same way, so a wrapper
 sees every primitive of a save, restore or manager: chunk and metadata writes, reads, listing,
-deletion, and every step of the commit (the manifest write, the syncs, a rename backend's
-``publish``); a renaming backend's ``stage`` and ``retire`` (local disk) are seen as one call each.
-The test suite injects its faults this way.
+deletion, and every byte of the commit (owner records, the manifest write, the syncs), which
+``ckpt._commit`` builds on these primitives. The test suite injects its faults this way.
 
 Every member of the Storage interface is defined here (tests/test_storage_interface.py checks it
 against the interface), so that a wrapped storage does what the inner one does: the inner
 engine's own ``read_chunk_async`` (asynchronous I/O issued from the reader's thread), ``du``,
-``read_range`` and the rest, never the base class's fallback. The exceptions are the methods
-built from the primitives (``RUN_HERE``, and ``RUN_HERE_WITHOUT_RENAME`` when the inner storage
-has no rename): they run here, over this wrapper, so that the wrapper sees each of their steps.
+``read_range`` and the rest, never the base class's fallback.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
 from ckpt._format import ArraySpec
 from ckpt._geometry import Box
-from ckpt.storage._base import Staged, Storage, Usage
-from ckpt.storage._owners import Leftover, SaveLock
+from ckpt.storage._base import Storage, Usage
 
 
 class WrapperStorage(Storage):
-    # Built from the primitives: run here whatever the inner storage is.
-    RUN_HERE = frozenset({"commit", "abort", "staging_area", "remove_dead_leftovers", "create", "settle_write"})
-    # Built from the primitives where the inner storage has no rename; a renaming backend's own
-    # (a staged directory, its lock, the rename) run inside it.
-    RUN_HERE_WITHOUT_RENAME = frozenset({"stage", "staged_from", "leftovers", "remove_leftover", "retire"})
-
     def __init__(self, inner: Storage):
         self.inner = inner
 
@@ -67,6 +56,11 @@ class WrapperStorage(Storage):
     @property
     def url(self) -> str:
         return self.inner.url
+
+    @property
+    def root(self) -> str:
+        """The directory of a store with ``renames`` (local disk), for the rename commit."""
+        return self.inner.root
 
     @property
     def name(self) -> str:
@@ -131,14 +125,6 @@ class WrapperStorage(Storage):
     def put_if_version(self, key: str, data: bytes, version: Any) -> Any:
         return self.inner.put_if_version(key, data, version)
 
-    # Built from the primitives (put_if_absent, get): run here, seen step by step.
-    def create(self, key: str, data: bytes, *, what: str = "object") -> None:
-        Storage.create(self, key, data, what=what)
-
-    def settle_write(self, key: str, data: bytes, error: BaseException, *, what: str = "object",
-                     replace: bool = False) -> None:
-        Storage.settle_write(self, key, data, error, what=what, replace=replace)
-
     def exists(self, key: str) -> bool:
         return self.inner.exists(key)
 
@@ -163,27 +149,6 @@ class WrapperStorage(Storage):
     def du(self) -> Usage | None:
         return self.inner.du()
 
-    def staging_area(self) -> Storage:
-        return Storage.staging_area(self)
-
-    def remove_dead_leftovers(self, keep: Staged | None = None) -> list[str]:
-        return Storage.remove_dead_leftovers(self, keep)
-
-    # Without renames these are built from the primitives (run here, seen by the wrapper); a
-    # renaming backend's own (locks) run inside the inner storage.
-    def leftovers(self, referenced: Iterable[str] = ()) -> list[Leftover]:
-        if not self.inner.renames:
-            return Storage.leftovers(self, referenced)
-        return self.inner.leftovers(referenced)
-
-    def remove_leftover(self, leftover: Leftover) -> bool:
-        if not self.inner.renames:
-            return Storage.remove_leftover(self, leftover)
-        return self.inner.remove_leftover(leftover)
-
-    def lock_saves(self) -> SaveLock:
-        return self.inner.lock_saves()
-
     def open_arrays(self, arrays: dict[Any, tuple[str, ArraySpec]]) -> dict[Any, Any]:
         return self.inner.open_arrays(arrays)
 
@@ -203,40 +168,3 @@ class WrapperStorage(Storage):
                          into: np.ndarray | None = None) -> Any:
         # The inner engine's own: TensorStore issues the read from this thread, as in production.
         return self.inner.read_chunk_async(path, index, nbytes, executor, into)
-
-    def _wrapped(self, staged: Staged) -> Staged:
-        return dataclasses.replace(staged, storage=self.wrap(staged.storage))
-
-    def _unwrapped(self, staged: Staged) -> Staged:
-        inner = staged.storage.inner if isinstance(staged.storage, WrapperStorage) else staged.storage
-        return dataclasses.replace(staged, storage=inner)
-
-    # The commit and abort are built from the primitives above (Storage.commit), so they run
-    # here, through the wrapper, which then sees every step; a renaming backend's staging,
-    # rename (publish) and retire are its own and run inside the inner storage.
-
-    def stage(self, *, overwrite: bool) -> Staged:
-        if not self.inner.renames:
-            return Storage.stage(self, overwrite=overwrite)
-        return self._wrapped(self.inner.stage(overwrite=overwrite))
-
-    def staged_from(self, info: dict) -> Staged:
-        if not self.inner.renames:
-            return Storage.staged_from(self, info)
-        return self._wrapped(self.inner.staged_from(info))
-
-    def commit(self, staged: Staged, manifest: bytes, *, overwrite: bool,
-               old_data: Callable[[], Iterable[str]] | None = None) -> None:
-        Storage.commit(self, staged, manifest, overwrite=overwrite, old_data=old_data)
-
-    def abort(self, staged: Staged) -> None:
-        Storage.abort(self, staged)
-
-    def publish(self, staged: Staged, *, overwrite: bool) -> Storage | None:
-        displaced = self.inner.publish(self._unwrapped(staged), overwrite=overwrite)
-        return None if displaced is None else self.wrap(displaced)
-
-    def retire(self) -> None:
-        if not self.inner.renames:
-            return Storage.retire(self)
-        self.inner.retire()

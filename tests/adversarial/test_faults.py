@@ -27,7 +27,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ckpt
-from ckpt.storage._base import NotDurableError
+from ckpt.storage import NotDurableError
 from support import Faults, Location, snapshot
 
 LONG = os.environ.get("CKPT_ADVERSARIAL") == "long"

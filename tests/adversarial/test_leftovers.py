@@ -27,8 +27,8 @@ def _tree(v=1.0):
 HOLDER = textwrap.dedent("""
     import sys, time
     from ckpt.storage._local import LocalStorage
-    from ckpt.storage._base import OWNER_NAME, owner_bytes
-    staged = LocalStorage(sys.argv[1], 4).stage(overwrite=False)   # lock held, owner record written
+    from ckpt._commit import commit_for
+    staged = commit_for(LocalStorage(sys.argv[1], 4)).stage(overwrite=False)   # lock held, owner record written
     print(staged.storage.where(""), flush=True)
     time.sleep(600)
 """)
@@ -87,7 +87,7 @@ def test_object_store_generations_are_judged_by_their_owner_records(capsys):
     and a live one (a save of this process in progress): clean removes the first two only."""
     import uuid
 
-    from ckpt.storage._owners import OWNER_NAME, LiveMark, owner_bytes
+    from ckpt._commit.owners import OWNER_NAME, LiveMark, owner_bytes
 
     loc = Location.make("memory", None)
     run = loc.storage("run")
