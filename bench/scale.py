@@ -251,17 +251,15 @@ class _PackObject:
 
 
 def _storage_class():
-    from ckpt.storage import Storage
+    from ckpt.storage import Storage, StoreCaps
 
     class CountingStorage(Storage):
         """An object store in memory (write-if-absent, no rename), as seen by one process."""
 
-        engine = "counting"
-        conditional_writes = True
         # PackWriter writes data objects chunk by chunk at their offsets (open_pack), so that no
         # chunk bytes are ever made; which chunk lands in which object at which offset is the
         # same as when an object store's objects are assembled in buffers of target_bytes.
-        streams_packs = True
+        caps = StoreCaps("counting", conditional_writes=True, writes_in_place=True)
 
         def __init__(self, store: ObjectStore, process: int, root: str = "ckpt") -> None:
             self.store, self.process, self.root = store, process, root.strip("/")
@@ -525,7 +523,7 @@ def save_leaves(tree: str, processes: int, arrays, plan):
     from ckpt._format import dtypes as _dtypes
     from ckpt._geometry import ShardingInfo, fit_spec, normalize_spec
     from ckpt._save.plan import Leaf, finish_array_records, pack_records
-    from ckpt._save.write import array_specs
+    from ckpt._layout import array_specs
 
     encoding, described = _tree_leaves(tree)
     axes = mesh_axes(processes, TREES[tree][1])
@@ -543,17 +541,15 @@ def save_leaves(tree: str, processes: int, arrays, plan):
 # --- one process's writes: the packed writer, as the save's writer drives it --------------------
 
 
-def run_writer(writer, writes, specs: dict, handles: dict) -> None:
+def run_writer(writer, writes, specs: dict) -> None:
     """Hand `writes` to `writer` in plan order (the stager's order), chunk data without memory."""
-    from ckpt._save.plan import PackedWrite
-
     zeros = {}
     for w in writes:
-        array = w.array if isinstance(w, PackedWrite) else w.leaf
+        array = w.array_id
         dtype = specs[array][1].dtype
         if dtype not in zeros:
             zeros[dtype] = np.zeros((), dtype)
-        writer.write_chunk(handles[array], w.box, np.broadcast_to(zeros[dtype], tuple(b - a for a, b in w.box)))
+        writer.write_chunk(array, w.box, np.broadcast_to(zeros[dtype], tuple(b - a for a, b in w.box)))
     writer.close()
 
 
@@ -566,13 +562,12 @@ def write_process(staged, process: int, plan, arrays, specs: dict, target: int, 
     then its index object; returns (its status's "index", the PackedSave)."""
     import crc32c
 
-    from ckpt._save.commit import INDEX_DIR, PackedSave
-    from ckpt.storage import PackWriter
+    from ckpt._format import INDEX_DIR
+    from ckpt._layout import PackedSave, PackWriter
 
     packing = PackedSave(plan, arrays, target)
-    writer = packing.writer = PackWriter(staged.storage, process, target)
-    handles = writer.open_arrays(specs)
-    run_writer(writer, plan.writes, specs, handles)
+    writer = packing.writer = PackWriter(staged.storage, process, target, specs)
+    run_writer(writer, plan.writes, specs)
     sums: dict = {}
     for array, flat in writer.locations:
         sums.setdefault(array, {})[flat] = _crc(array, flat)
@@ -586,7 +581,7 @@ def write_process(staged, process: int, plan, arrays, specs: dict, target: int, 
 
 
 def status_bytes(index: dict) -> bytes:
-    """A status as _SaveJob._exchange_and_commit packs it (durations, bytes, requests)."""
+    """A status as ckpt._save.job.SaveJob._report packs it (durations, bytes, requests)."""
     return msgpack.packb({"error": None, "index": index,
                           "stats": [0.1234, 1.2345, 12.345, 688_000_000, 3]}, use_bin_type=True)
 
@@ -703,7 +698,7 @@ def simulate(tree: str, processes: int, *, straggler_s: float = 0.0, coordinatio
     from ckpt._commit import commit_for
     from ckpt._format import MANIFEST_NAME, read_manifest
     from ckpt._options import PACK_OBJECT_BYTES
-    from ckpt._save.commit import PackedSave, commit_packed
+    from ckpt._layout import PackedSave, commit_packed
     from ckpt._save.plan import ShardWrite
 
     started = time.monotonic()

@@ -13,7 +13,7 @@ with the mesh and PartitionSpec Orbax recorded (so ``restore(dest, mesh=...)`` p
 way), chunked by the saved shard shape, with a CRC-32C per chunk. It runs in one process, needs no
 devices, and commits atomically like ``save``: a failed convert leaves nothing at `dest`.
 
-It commits through the save's own last step (``ckpt._save.commit.commit_written``): the written
+It commits through the save's own last step (``ckpt._layout.commit_written``): the written
 files are checked, every zarr.json's CRC-32C is recorded and the manifest gets the format version
 a save would give it, so ``ckpt verify`` checks a converted checkpoint as it checks a saved one.
 """
@@ -47,7 +47,7 @@ from ckpt._options import Options, resolve
 from ckpt._orbax import OrbaxLeaf, step_user_metadata
 from ckpt._restore import OrbaxArrays, batch_by_budget, is_orbax, open_layout
 from ckpt._commit import Staged, after_failed_commit, commit_for
-from ckpt._save import commit_written, group_paths
+from ckpt._layout import commit_written, group_paths
 from ckpt.storage import open_storage
 
 

@@ -5,7 +5,7 @@ dependency; hiding a circle in one is what these contracts forbid).
 - Layers: each module imports only from its own layer or the layers below it::
 
       ckpt (the public names)  >  cli  >  _manager | _convert | safetensors
-      >  _save | _restore  >  _commit | _orbax  >  storage  >  _format  >  the base modules
+      >  _save | _restore  >  _layout  >  _commit | _orbax  >  storage  >  _format  >  the base modules
 
   Modules of one layer separated by ``|`` are independent of each other (``_save`` and
   ``_restore`` above all).
@@ -31,12 +31,13 @@ LAYERS = [
     {"_format"},
     {"storage"},
     {"_commit", "_orbax"},
+    {"_layout"},
     {"_save", "_restore"},
     {"_manager", "_convert", "safetensors"},
     {"cli"},
     {"ckpt", "__main__"},
 ]
-SUBPACKAGES = {"_format", "storage", "_commit", "_orbax", "_save", "_restore", "_manager", "cli"}
+SUBPACKAGES = {"_format", "storage", "_commit", "_layout", "_orbax", "_save", "_restore", "_manager", "cli"}
 
 
 def _modules() -> dict[str, pathlib.Path]:

@@ -99,7 +99,7 @@ def test_background_failure_reraised_with_traceback(location):
         handle.wait(timeout=60)
     frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
     # The traceback reaches from the save's writer down to the storage call that failed.
-    assert "_write_chunks" in frames and "write_chunk" in frames
+    assert "write_chunks" in frames and "write_chunk" in frames
     assert handle.done()
     assert location.names() == []  # no checkpoint, no temporary directory
 
@@ -138,6 +138,12 @@ def test_bytes_in_flight_are_bounded(location, limit_chunks):
 
         def __init__(self, future, nbytes):
             self.future, self.nbytes, self.counted = future, nbytes, True
+
+        def done(self):
+            return copied.is_set() and self.future.done()
+
+        def cancel(self):
+            return False
 
         def result(self, timeout=None):
             assert copied.wait(60), "the caller's copies never finished"

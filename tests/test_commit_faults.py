@@ -427,7 +427,7 @@ def test_s3_requests_get_timeouts_and_bounded_retries():
     assert config["retries"] == {"max_attempts": 5, "mode": "legacy"}
     assert "request_checksum_calculation" not in config  # botocore default: when_supported
     assert storage.fs.retries == 2
-    assert storage.versioned_writes
+    assert storage.caps.versioned_writes
 
 
 # ---- item 5: a save stops at its first failed chunk -------------------------------------------
@@ -483,7 +483,9 @@ def test_verify_catches_a_chunk_longer_than_recorded_where_reads_do_not(path):
     storage.put(key, storage.get(key, max_bytes=BIG) + b"\0").result()
 
     class RemoteLike(FaultyStorage):  # reads like TensorStore on S3: only the recorded size
-        reads_refuse_longer = False
+        @property
+        def caps(self):
+            return replace(self.inner.caps, reads_refuse_longer=False)
 
         def wrap(self, inner):
             return RemoteLike(inner, self.faults)

@@ -123,7 +123,7 @@ def test_racing_saves_with_tensorstore_both_commit_on_the_emulator(root):
     """The documented gap: fake-gcs-server ignores ifGenerationMatch=0 on TensorStore's simple
     uploads, so neither racing save learns it lost; the manifest written last wins, and what is
     read is that one save's tree, whole (real GCS refuses the second write: FileExistsError)."""
-    assert not open_storage(root, TS.resolved()).conditional_writes  # the engine knows it
+    assert not open_storage(root, TS.resolved()).caps.conditional_writes  # the engine knows it
     for trial in range(5):
         path = f"{root}/c{trial}"
         errors = _race(path, TS)

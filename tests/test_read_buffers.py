@@ -144,17 +144,20 @@ def test_the_pool_keeps_no_more_than_the_budget_and_drops_what_the_next_batch_do
 
 
 class _Windowed(WrapperStorage):
-    """An engine whose restores read at most two chunks per batch (Storage.read_window_bytes)."""
+    """An engine whose restores read at most two chunks per batch (one request in flight, whose
+    responses of one chunk each the engine holds: StoreCaps.response_part_bytes)."""
 
-    def read_window_bytes(self, io_concurrency: int) -> int | None:
-        return 2 * CHUNK
+    @property
+    def caps(self):
+        return replace(self.inner.caps, response_part_bytes=CHUNK)
 
 
-def test_a_storage_read_window_bounds_each_batch_whatever_the_budget(base):
+def test_a_storage_read_window_bounds_each_batch_whatever_the_budget(base, monkeypatch):
+    monkeypatch.setattr("ckpt._restore.read.MIN_READ_WINDOW", 0)  # (the window, not its floor)
     mesh = jax.make_mesh((4, 2), ("x", "y"))
     sharding = NamedSharding(mesh, P("x", None))
     path = _saved(base, sharding)
-    unbounded = ckpt.Options(host_budget_bytes=1 << 40)
+    unbounded = ckpt.Options(host_budget_bytes=1 << 40, io_concurrency=1)
     out, whole = restore_with_stats(path, {"w": sharding}, options=unbounded)
     _check(out["w"], _value())
     windowed = replace(unbounded, engine=lambda where, o: _Windowed(open_storage(where, replace(o, engine=None))))
@@ -167,9 +170,10 @@ def test_a_storage_read_window_bounds_each_batch_whatever_the_budget(base):
 
 
 def test_object_stores_bound_their_read_window_and_local_disk_does_not(tmp_path):
+    from ckpt._restore.read import read_window
     from ckpt.storage._tensorstore import PART_BYTES
 
-    assert open_storage(str(tmp_path / "c"), ckpt.Options().resolved()).read_window_bytes(8) is None
+    assert read_window(open_storage(str(tmp_path / "c"), ckpt.Options().resolved()).caps, 8) is None
     memory = open_storage("memory://window/c", ckpt.Options().resolved())
-    assert memory.read_window_bytes(8) == 128 << 20
-    assert memory.read_window_bytes(64) == 2 * 64 * PART_BYTES
+    assert read_window(memory.caps, 8) == 128 << 20
+    assert read_window(memory.caps, 64) == 2 * 64 * PART_BYTES

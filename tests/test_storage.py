@@ -317,7 +317,7 @@ def test_local_file_urls_are_local_paths(tmp_path):
     ckpt.save(f"file://{tmp_path}/b", _small())
     assert sorted(os.listdir(tmp_path)) == ["a", "b"]
     assert _restores(tmp_path / "a") and _restores(f"file://{tmp_path}/b")
-    assert storage_of(f"file:///{tmp_path}/a").engine == "local"
+    assert storage_of(f"file:///{tmp_path}/a").caps.engine == "local"
 
 
 def test_home_is_expanded(tmp_path, monkeypatch):

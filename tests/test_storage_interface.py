@@ -37,7 +37,7 @@ INTERFACE = sorted(name for name, _ in inspect.getmembers(Storage) if not name.s
 
 
 def test_the_interface_is_what_these_tests_enumerate():
-    assert {"read_chunk_async", "du", "read_range", "size", "engine", "renames", "url"} <= set(INTERFACE)
+    assert {"read_chunk_async", "du", "read_range", "size", "caps", "url"} <= set(INTERFACE)
     # Bytes only: how a checkpoint becomes visible is ckpt._commit's (issue 33).
     assert not {"stage", "commit", "abort", "retire", "leftovers", "lock_saves", "create"} & set(INTERFACE)
 
@@ -81,20 +81,8 @@ def _calls(state: dict) -> list[tuple[str, object]]:
         with w.pin() as pinned:
             assert pinned.get("d/k", max_bytes=10) == b"abcdef"
 
-    def open_pack(w):
-        if not w.streams_packs:
-            with pytest.raises(NotImplementedError):
-                w.open_pack("d/p")
-            return
-        pack = w.open_pack("d/p")
-        pack.write_at(64, np.arange(4, dtype=np.uint8)).result()
-        pack.close(68).result()
-        assert w.get("d/p", max_bytes=100) == bytes(64) + bytes(range(4))
-
     return [
-        ("engine", lambda w: w.engine), ("renames", lambda w: w.renames),
-        ("streams_packs", lambda w: w.streams_packs), ("open_pack", open_pack),
-        ("conditional_writes", lambda w: w.conditional_writes), ("reads_into_buffers", lambda w: w.reads_into_buffers),
+        ("caps", lambda w: w.caps),
         ("url", lambda w: w.url), ("name", lambda w: w.name), ("resolved_name", lambda w: w.resolved_name),
         ("where", lambda w: w.where("k")), ("make_dirs", lambda w: w.make_dirs()),
         ("child", lambda w: w.child("sub")), ("parent", lambda w: w.parent()),
@@ -102,11 +90,8 @@ def _calls(state: dict) -> list[tuple[str, object]]:
         ("exists", lambda w: w.exists("d/k")), ("exists_any", lambda w: w.exists_any()),
         ("list_dir", lambda w: w.list_dir("d")), ("stat_many", lambda w: w.stat_many(["d/k"])),
         ("du", lambda w: w.du()), ("get", lambda w: w.get("d/k", max_bytes=10)),
-        ("versioned_writes", lambda w: w.versioned_writes), ("reads_refuse_longer", lambda w: w.reads_refuse_longer),
-        ("get_versioned", lambda w: state.update(version=w.get_versioned("d/k", max_bytes=10)[1])),
-        ("put_if_version", lambda w: w.put_if_version("d/k", b"abcdef", state["version"])),
         ("read_exact", lambda w: w.read_exact("d/k", 6)), ("size", lambda w: w.size("d/k")),
-        ("read_range", lambda w: w.read_range("d/k", 1, 3)), ("read_window_bytes", lambda w: w.read_window_bytes(4)),
+        ("read_range", lambda w: w.read_range("d/k", 1, 3)), 
         ("pin", pin), ("sync", lambda w: w.sync("d")), ("delete", lambda w: w.delete("d/k2")),
         ("delete_tree", lambda w: w.delete_tree("d")),
         ("create_array", lambda w: w.create_array("a", spec).result()),
@@ -413,5 +398,5 @@ def test_gcs_emulator_settings_reach_the_libraries_without_the_environment(monke
     monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", "http://127.0.0.1:9")
     before = dict(os.environ)
     s = open_storage("gs://bucket/p", ckpt.Options(engine="tensorstore").resolved())
-    assert s.engine == "tensorstore" and not s.conditional_writes  # (the emulator's gap: docs/storage.md)
+    assert s.caps.engine == "tensorstore" and not s.caps.conditional_writes  # (the emulator's gap: docs/storage.md)
     assert dict(os.environ) == before

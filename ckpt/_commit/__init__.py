@@ -32,7 +32,7 @@ __all__ = [
 
 def commit_for(store: Storage) -> CommitStrategy:
     """The commit strategy of `store`'s location."""
-    return RenameCommit(store) if store.renames else GenerationCommit(store)
+    return RenameCommit(store) if store.caps.renames else GenerationCommit(store)
 
 
 def _old_data(storage: Storage) -> Callable[[], Iterable[str]]:

@@ -57,7 +57,7 @@ class Lease(SaveLock):
     def _read(self) -> tuple[dict | None, Any, bool]:
         """(holder record or None, its version or None, whether it exists)."""
         storage = self.storage
-        if storage.versioned_writes:
+        if storage.caps.versioned_writes:
             data, version = storage.get_versioned(LEASE_NAME, max_bytes=OWNER_LIMIT_BYTES)
             return parse_owner(data), version, data is not None
         try:
@@ -96,7 +96,7 @@ class Lease(SaveLock):
         """Replace the expired lease `stale`, read at `version`, by ours: exactly one of several
         managers doing so at once wins (where the storage has versioned writes)."""
         storage, data = self.storage, self._data()
-        if storage.versioned_writes and not self._cas_refused(version, stale):
+        if storage.caps.versioned_writes and not self._cas_refused(version, stale):
             try:
                 new = storage.put_if_version(LEASE_NAME, data, version)
                 if new is not None:
@@ -144,7 +144,7 @@ class Lease(SaveLock):
             f"{self.storage.where(LEASE_NAME)} first: two managers cannot save to one directory") from cause
 
     def _refresh_version(self) -> None:
-        if not self.storage.versioned_writes:
+        if not self.storage.caps.versioned_writes:
             return
         try:
             data, version = self.storage.get_versioned(LEASE_NAME, max_bytes=OWNER_LIMIT_BYTES)
@@ -169,7 +169,7 @@ class Lease(SaveLock):
             return
         self.record["time"] = time.time()
         data = self._data()
-        if not self.storage.versioned_writes or self.version is None or self.storage.url in _CAS_REFUSED:
+        if not self.storage.caps.versioned_writes or self.version is None or self.storage.url in _CAS_REFUSED:
             self.storage.put(LEASE_NAME, data).result()
             self._refresh_version()
             return

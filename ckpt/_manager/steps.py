@@ -105,7 +105,7 @@ class StepDirectory:
         """Remove what saves that provably died left here. On local disk every commit already
         removes dead temporary directories beside it (``ckpt._commit``); elsewhere an
         uncommitted step prefix holds generations, each judged by its owner record."""
-        if self.storage.renames:
+        if self.storage.caps.renames:
             return
         for entry in scan_named_steps(self.storage, self.naming):
             if entry.committed or is_temp_name(entry.name) or self.storage.exists(f"{entry.name}/{STEP_METADATA}"):
@@ -132,7 +132,7 @@ class StepDirectory:
         location = self.storage.child(name)
         if location.exists(MANIFEST_NAME):
             return None
-        if not self.storage.renames:
+        if not self.storage.caps.renames:
             generations = commit_for(location)
             for leftover in generations.leftovers():
                 if leftover.dead:

@@ -51,7 +51,7 @@ from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import Box, box_shape, chunk_box, chunk_grid, index_to_box
 from ckpt._memory import aligned_empty
 from ckpt._options import Options, resolve
-from ckpt.storage import Storage, location_text, open_storage
+from ckpt.storage import Storage, StoreCaps, location_text, open_storage
 
 # safetensors dtype codes and the numpy/ml_dtypes names they are (byte-sized types only: the
 # packed 4- and 6-bit types F4, F6_E2M3, F6_E3M2 are refused).
@@ -437,6 +437,8 @@ def read_box(reader: RangeReader, t: Tensor, box: Box, out: np.ndarray) -> None:
 class _ChunkSource:
     """What restore's reader needs of a Storage (``where``, ``read_chunk``), over tensors: a chunk
     of leaf i is its box of tensor i, read as byte ranges."""
+
+    caps = StoreCaps("safetensors")  # (ranged reads into fresh buffers, no read window)
 
     def __init__(self, tset: TensorSet, leaves: list[LeafRecord]):
         self.tset, self.leaves = tset, leaves

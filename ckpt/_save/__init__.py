@@ -9,9 +9,7 @@ import atexit
 # Imported here so that its exit hook (which stops the shared I/O pools) is registered before
 # ours: threading runs these hooks last registered first, so pending saves finish first.
 import concurrent.futures.thread  # noqa: F401
-import concurrent.futures
 import dataclasses
-import errno
 import hashlib
 import logging
 import os
@@ -23,24 +21,13 @@ import traceback
 import weakref
 from typing import Any
 
-import crc32c
 import msgpack
-import numpy as np
 
 from ckpt._errors import CheckpointError
-from ckpt._format import ALIGN, LeafRecord, Stack, StackedStorage, flatten, storage_paths
-from ckpt._geometry import chunk_grid
+from ckpt._format import flatten, storage_paths
 from ckpt._memory import gc_paused
 from ckpt._options import Options, resolve, save_chunk_cap
 
-# The door: convert commits as a save does, writing the same groups.
-from ckpt._save.commit import (  # noqa: F401
-    INDEX_DIR,
-    PackedSave,
-    commit_packed,
-    commit_written,
-    group_paths,
-)
 from ckpt._save.plan import (
     STACK_CHUNK_BYTES,
     Leaf,
@@ -57,38 +44,16 @@ from ckpt._save.stage import (
     release_host_memory,  # noqa: F401 (the door)
     stage,
 )
-from ckpt._save.write import END, _write_chunks, array_specs, metadata_share
-from ckpt._commit import Coordinator, Staged, after_failed_commit, commit_for, current_coordinator
-from ckpt._errors import NotDurableError, OutcomeUnknownError
-from ckpt.storage import PackWriter, Storage, open_storage
+from ckpt._save.job import Cancel, SaveJob, describe_error
+from ckpt._save.write import END
+from ckpt._commit import Staged, commit_for, current_coordinator
+from ckpt._layout import SaveFacts, array_specs, layout_name, save_layout
+from ckpt.storage import open_storage
 
 _log = logging.getLogger("ckpt")
 
 # Seconds the interpreter's exit waits for pending saves before it says so on stderr.
 EXIT_NOTICE_S = 2.0
-
-
-class _Cancel:
-    """Whether a save was cancelled, and whether it is past the point where it still can be (its
-    commit): one lock, so that a cancel and the commit never both happen."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.requested = False
-        self.committing = False
-
-    def request(self) -> bool:
-        with self._lock:
-            if not self.committing:
-                self.requested = True
-            return self.requested
-
-    def may_commit(self) -> bool:
-        """Pass the point of no return, unless cancelled first."""
-        with self._lock:
-            if not self.requested:
-                self.committing = True
-            return not self.requested
 
 
 class SaveHandle:
@@ -106,11 +71,12 @@ class SaveHandle:
         path: the checkpoint's location, as shown in messages.
     """
 
-    def __init__(self, path: str, work, cancel: _Cancel | None = None) -> None:
+    def __init__(self, path: str, work, cancel: Cancel | None = None) -> None:
         self.path = path
         self._error: BaseException | None = None
         self._observed = False  # wait() raised the error: the caller knows
-        self._cancel = cancel or _Cancel()
+        self._cancel = cancel or Cancel()
+        self._job: SaveJob | None = None  # (set by start_save: its figures, SaveHandle.stats)
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(work,), name="ckpt-save")
         with _handles_lock:
@@ -190,7 +156,7 @@ class SaveHandle:
         ``slowest_s`` (host copy + writes), and on the primary (process 0) ``processes``, every
         process's figures. Logged at INFO (logger ``ckpt``) when the save commits.
         """
-        job = getattr(self, "_job", None)
+        job = self._job
         if job is None or not self._done.is_set() or self._error is not None or job.job_stats is None:
             return None
         return {"process": dict(job.stats, process=job.coord.process_index), "job": job.job_stats}
@@ -208,15 +174,9 @@ class SaveHandle:
                 return
             self._observed = True
             _log.warning("jax-ckpt: the save to %s failed and was never waited on (its SaveHandle was dropped "
-                         "without wait()): %s", self.path, _describe(error))
+                         "without wait()): %s", self.path, describe_error(error))
         except Exception:  # (a handle whose __init__ failed; or the interpreter is tearing down)
             pass
-
-
-def _describe(e: BaseException) -> str:
-    """``Type: text``, or ``Type`` alone for an exception without text."""
-    text = str(e)
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 # Every SaveHandle alive (a running save's thread holds its handle), for the exit hook.
@@ -274,7 +234,7 @@ def _finish_at_exit() -> None:
                   + "".join(traceback.format_exception(error)).rstrip(), file=sys.stderr, flush=True)
     except BaseException as e:  # noqa: BLE001 (see the docstring)
         try:
-            print(f"jax-ckpt: finishing pending saves at exit failed: {_describe(e)}", file=sys.stderr, flush=True)
+            print(f"jax-ckpt: finishing pending saves at exit failed: {describe_error(e)}", file=sys.stderr, flush=True)
         except BaseException:  # noqa: BLE001
             pass
 
@@ -304,7 +264,7 @@ except (AttributeError, RuntimeError):  # another Python; or imported while the 
 
 
 def _fingerprint(final: str, overwrite: bool, tree: dict, leaves: list[Leaf], plan: SavePlan,
-                 layout: str = "files") -> bytes:
+                 layout: str) -> bytes:
     """A hash of what every process must agree on: the inputs of the plan (tree, shapes, dtypes,
     shardings, chunk shapes, path), and the packing of small arrays every process computes alike
     (O(leaves)). Never the writes: each process plans only its own (plan_save's `process`)."""
@@ -390,32 +350,6 @@ def save_async(path, tree: Any, *, overwrite: bool = False, options: Options | N
                       max_chunk_bytes=max_chunk_bytes)
 
 
-# Object stores: a data object is one PUT, two of a process in flight. Its bytes in about six
-# objects of at least 64 MiB keep its uploads parallel: one process saving 1 GiB to SeaweedFS
-# (python -m bench --gib 1 --url s3://... --seaweedfs, CKPT_LAYOUT=packed), save / raw PUT was
-# 1.04 with 64 MiB objects, 0.78 with 256 MiB and 0.50 with 1 GiB. Six data objects and the
-# index object stay within the 8 objects a process of issue 23's bound.
-PUT_OBJECTS, MIN_PUT_OBJECT_BYTES = 6, 64 << 20
-
-
-def _packing(plan: SavePlan, shards, opts: Options, budget: SaveBudget, staged: Storage, writes) -> PackedSave:
-    """The packed layout's part of a save. Data objects of `pack_object_bytes`; where the engine
-    writes whole objects (object stores), also at most a quarter of the budget and about a sixth
-    of this process's bytes (at least 64 MiB), with two assembly buffers of that size (or of this
-    process's bytes, when fewer) from the budget, taken now, before any chunk is staged: the
-    writer never waits for budget the copies hold."""
-    target = opts.pack_object_bytes
-    # (each chunk at most ALIGN bytes of padding before it)
-    mine = sum(w.nbytes for w in writes) + ALIGN * len(writes)
-    if not staged.streams_packs:
-        target = min(target, max(budget.limit // 4, 1 << 20), max(MIN_PUT_OBJECT_BYTES, -(-mine // PUT_OBJECTS)))
-    packing = PackedSave(plan, shards, target)
-    if not staged.streams_packs and writes:
-        packing.buffer_bytes = min(target, mine)
-        packing.leases = [budget.acquire(packing.buffer_bytes, buffer=True) for _ in range(1 if mine <= target else 2)]
-    return packing
-
-
 def _save_options(options: Options | None, host_budget_bytes, max_chunk_bytes) -> Options:
     if options is not None and not isinstance(options, Options):
         raise TypeError(f"options must be a ckpt.Options, got {type(options).__name__}")
@@ -453,8 +387,7 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
                              stack_chunk_bytes=min(STACK_CHUNK_BYTES, cap), process=coord.process_index)
             stacks = pack_records(leaves, plan)
             my_writes = plan.writes
-            layout = "packed" if opts.layout == "packed" or (opts.layout == "auto" and coord.process_count > 1) \
-                else "files"
+            layout = layout_name(opts.layout, coord.process_count)
             view, own_error = {"plan": _fingerprint(final, overwrite, encoding, leaves, plan, layout)}, None
         except Exception as e:  # the others learn of it now instead of waiting for this process
             view, own_error = {"error": f"{type(e).__name__}: {e}"}, e
@@ -493,9 +426,10 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
     # More bytes than the budget: the caller waits for the disk anyway, so writes need not wait
     # for the copies to end.
     pressed = sum(w.nbytes for w in my_writes) > budget.limit
-    job = _SaveJob(coord, save_id, storage, staged, overwrite, encoding, leaves, user_metadata, opts, stacks)
-    if layout == "packed":
-        job.packing = _packing(plan, shards, opts, budget, staged.storage, my_writes)
+    facts = SaveFacts(storage, staged, encoding, leaves, stacks, array_specs(leaves, stacks), overwrite, user_metadata,
+                      coord.process_index, coord.process_count, opts.io_concurrency)
+    job = SaveJob(coord, save_id, facts, save_layout(layout, plan, shards, opts.pack_object_bytes, budget,
+                                                     staged.storage.caps, my_writes), opts)
     job.stats.update(plan_s=plan_s, bytes=sum(w.nbytes for w in my_writes), writes=len(my_writes))
     handle = SaveHandle(final, lambda: job.run(chunks, copied, budget, pressed), job.cancel)
     handle._job = job  # (SaveHandle.stats)
@@ -545,326 +479,3 @@ def save(path, tree: Any, *, overwrite: bool = False, options: Options | None = 
     """
     save_async(path, tree, overwrite=overwrite, options=options, host_budget_bytes=host_budget_bytes,
                max_chunk_bytes=max_chunk_bytes).wait()
-
-
-def _cancelled(final: str) -> CheckpointError:
-    return CheckpointError(f"save to {final} was cancelled (SaveHandle.cancel(), or Ctrl-C during wait()): "
-                           "nothing was committed and its staged data is removed")
-
-
-class _StopOnCancel:
-    """The staged storage as the writer sees it: once the save is cancelled, every further write
-    raises the cancellation, so the writer stops issuing writes, lets those in flight end and
-    fails (its failure path), and the primary then removes the staged data."""
-
-    def __init__(self, storage: Storage, cancel: _Cancel, final: str) -> None:
-        self._storage, self._cancel, self._final = storage, cancel, final
-
-    def __getattr__(self, name: str):
-        return getattr(self._storage, name)
-
-    def _check(self) -> None:
-        if self._cancel.requested:
-            raise _cancelled(self._final)
-
-    def write_chunk(self, *args):
-        self._check()
-        return self._storage.write_chunk(*args)
-
-    def create_array(self, *args):
-        self._check()
-        return self._storage.create_array(*args)
-
-    def put_group(self, *args):
-        self._check()
-        return self._storage.put_group(*args)
-
-
-# The durations each process reports, in this order, then its bytes and requests.
-_TIMES = ("plan_s", "copy_s", "write_s")
-
-
-def _job_stats(statuses: list[dict], own: dict) -> dict:
-    """The primary's view of a save: every process's figures and the slowest one."""
-    per = []
-    for p, s in enumerate(statuses):
-        figures = s.get("stats") or [0.0] * (len(_TIMES) + 2)
-        row = dict(zip(_TIMES, figures[:len(_TIMES)]))
-        row.update(process=p, bytes=figures[len(_TIMES)], requests=figures[len(_TIMES) + 1])
-        per.append(row)
-    slowest = max(per, key=lambda r: (r["copy_s"] + r["write_s"], -r["process"]))
-    return {"processes": per, "slowest": slowest["process"],
-            "slowest_s": round(slowest["copy_s"] + slowest["write_s"], 4),
-            "bytes": sum(r["bytes"] for r in per), "requests": sum(r["requests"] for r in per),
-            "wait_s": round(own.get("wait_s", 0.0), 4)}
-
-
-def _summary(job: dict) -> dict:
-    """What the other processes learn of the job's figures: O(1), not the table."""
-    return {k: v for k, v in job.items() if k != "processes"} | {"process_count": len(job["processes"])}
-
-
-def _log_stats(final: str, job: dict | None) -> None:
-    if job is None or not _log.isEnabledFor(logging.INFO):
-        return
-    _log.info("jax-ckpt: saved %s: %d bytes, %d requests over %d process(es); slowest process %d "
-              "(host copy + writes %.3f s)", final, job["bytes"], job["requests"],
-              job.get("process_count", len(job.get("processes", ()))), job["slowest"], job["slowest_s"])
-
-
-class _SaveJob:
-    """The background part of one save: write this process's chunks, exchange reports, commit."""
-
-    def __init__(self, coord: Coordinator, save_id: str, storage: Storage, staged: Staged, overwrite: bool,
-                 encoding: dict, leaves: list[Leaf], user_metadata: dict | None, options: Options,
-                 stacks: list[Stack] = ()):
-        self.coord, self.save_id, self.storage, self.staged = coord, save_id, storage, staged
-        self.overwrite, self.encoding, self.leaves = overwrite, encoding, leaves
-        self.user_metadata, self.options, self.stacks = user_metadata, options, list(stacks)
-        self.cancel = _Cancel()  # SaveHandle.cancel()
-        # This process's figures (seconds: plan_s, copy_s, write_s, wait_s, commit_s; bytes,
-        # writes, requests), and the job's once committed (SaveHandle.stats).
-        self.stats: dict = {}
-        self.job_stats: dict | None = None
-        self._own_sums: dict = {}
-        self.packing: PackedSave | None = None  # the packed layout (format version 3), else files
-
-    def run(self, chunks: queue.Queue, copied: threading.Event, budget: SaveBudget, pressed: bool) -> None:
-        try:
-            self._exchange_and_commit(chunks, copied, budget, pressed)
-        finally:
-            self.staged.release()  # (commit and abort release it; this covers any other exit)
-            self.coord.end_save(self.save_id)
-
-    def _abort(self) -> None:
-        try:
-            commit_for(self.storage).abort(self.staged)
-        except OSError:
-            pass  # left for cleanup: never a checkpoint, since no manifest points to it
-
-    def _exchange_and_commit(self, chunks: queue.Queue, copied: threading.Event, budget: SaveBudget,
-                             pressed: bool) -> None:
-        coord, final = self.coord, self.storage.url
-        primary = coord.process_index == 0
-        error: BaseException | None = None
-        sums: dict = {}
-        write_start = time.perf_counter()
-        packing = self.packing
-        target: Any = self.staged.storage
-        if packing is not None:
-            packing.writer = target = PackWriter(target, coord.process_index, packing.target_bytes,
-                                                 [lease.buffer[:packing.buffer_bytes] for lease in packing.leases])
-        try:
-            sums = _write_chunks(_StopOnCancel(target, self.cancel, final), self.leaves, chunks,
-                                 primary, copied, budget, self.options.max_inflight_bytes, self.staged.prefix,
-                                 self.stacks, pressed,
-                                 # Object stores: at most two requests per I/O slot in flight
-                                 # (the engine runs io_concurrency at once; one more each keeps
-                                 # them busy), so a failing chunk stops the save within one round.
-                                 max_inflight_writes=None if self.storage.renames or packing else 2 * self.options.io_concurrency,
-                                 share=(coord.process_index, coord.process_count))
-            if packing is not None:
-                packing.writer.close()  # every data object durable (or the first failure)
-        except BaseException as e:
-            error = e
-            if packing is not None:
-                packing.writer.abandon()  # (every write started has ended: the abort may remove them)
-        finally:
-            if packing is not None:
-                for lease in packing.leases:
-                    budget.release(lease)
-                packing.leases = []
-        self.stats["write_s"] = time.perf_counter() - write_start
-        specs = array_specs(self.leaves, self.stacks)  # (and its share of the zarr.json files)
-        if packing is not None:
-            self.stats["requests"] = packing.writer.requests
-        else:
-            self.stats["requests"] = self.stats.get("writes", 0) + len(
-                metadata_share(specs, coord.process_index, coord.process_count))
-            if primary:
-                self.stats["requests"] += len(group_paths((path for path, _ in specs.values()), self.staged.prefix))
-        # The point of no return: past it, cancel() refuses; before it, a cancel (here, or on
-        # any process: its error reaches the primary) makes the primary abort the save.
-        if error is None and not self.cancel.may_commit():
-            error = _cancelled(final)
-        index = None
-        if error is None and (packing is not None or not primary):
-            try:
-                index = self._put_packed_index(sums, specs) if packing is not None else self._put_index(sums)
-            except BaseException as e:
-                error = e
-        self._own_sums = sums
-        st = self.stats
-        # O(1) bytes whatever the number of chunks: the checksums are in the index object.
-        status = msgpack.packb(
-            {"error": None if error is None else _describe(error), "index": index,
-             "stats": [round(st.get(k, 0.0), 4) for k in _TIMES] + [st.get("bytes", 0), st.get("requests", 0)]},
-            use_bin_type=True,
-        )
-        wait_start = time.perf_counter()
-        gathered, gather_error = None, None
-        try:
-            gathered = coord.gather(f"{self.save_id}/written", status)
-        except CheckpointError as e:
-            if not primary:  # (this process could not post: the service is gone)
-                raise CheckpointError(f"save to {final} failed: {e}") from None
-            gather_error = e  # the primary never commits without every process's report
-        # The storage's own exception when this process's commit failed: the cause of the error
-        # raised here (the other processes only learn its text).
-        commit_error: list[BaseException] = []
-
-        def commit() -> bytes:
-            st["wait_s"] = time.perf_counter() - wait_start
-            commit_start = time.perf_counter()
-            try:
-                return self._decide(gathered, gather_error, commit_error)
-            finally:
-                st["commit_s"] = time.perf_counter() - commit_start
-
-        try:
-            outcome = msgpack.unpackb(coord.broadcast(f"{self.save_id}/commit", commit))
-        except CheckpointError as e:
-            raise CheckpointError(
-                f"save to {final}: every process wrote its part, but the outcome of the commit is unknown "
-                f"here (check for {final} before relying on it): {e}"
-            ) from None
-        if not primary:
-            st["wait_s"] = time.perf_counter() - wait_start
-            self.job_stats = outcome.get("stats")
-        if error is not None:
-            raise error
-        cause = commit_error[0] if commit_error else None
-        if outcome.get("exists"):
-            raise FileExistsError(
-                errno.EEXIST, "another save committed a checkpoint here first; this one committed nothing "
-                "(pass overwrite=True to replace it)", final) from cause
-        if outcome.get("unknown"):
-            # The manifest write may have landed: nothing the save wrote was deleted.
-            raise OutcomeUnknownError(
-                f"save to {final}: the outcome of its commit is unknown (committed or not): {outcome['error']}; "
-                f"nothing it wrote was deleted: check for {final} (ckpt ls, ckpt verify) before relying on it"
-            ) from cause
-        if outcome["error"]:
-            raise CheckpointError(f"save to {final} failed, nothing committed: {outcome['error']}") from cause
-        _log_stats(final, self.job_stats)
-        if outcome.get("not_durable"):
-            raise NotDurableError(outcome["not_durable"])
-
-    def _put_index(self, sums: dict) -> dict:
-        """Write this process's chunk checksums into the staged place (its index object, which
-        the primary reads once at the commit); return what the status says of it."""
-        data = msgpack.packb([[array, flat, crc] for array, m in sums.items() for flat, crc in m.items()],
-                             use_bin_type=True)
-        key = f"{INDEX_DIR}/{self.coord.process_index}"
-        self.staged.storage.put(key, data).result()
-        self.stats["requests"] = self.stats.get("requests", 0) + 1
-        return {"key": key, "size": len(data), "crc": crc32c.crc32c(data)}
-
-    def _put_packed_index(self, sums: dict, specs: dict) -> dict:
-        """Packed layout: write this process's index object (its chunks' places and CRC-32Cs,
-        and pointers to the writers of the chunks it holds and others wrote); return what the
-        status says of it (O(1) bytes: the primary never reads it)."""
-        packing, process = self.packing, self.coord.process_index
-        data = packing.index_object(process, self.staged.prefix, sums, specs)
-        key = f"{INDEX_DIR}/{process}"
-        self.staged.storage.put(key, data).result()
-        self.stats["requests"] = self.stats.get("requests", 0) + 1
-        return {"key": key, "size": len(data), "crc": crc32c.crc32c(data), "chunks": packing.written,
-                "places": packing.places}
-
-    def _decide(self, gathered: list[bytes] | None, gather_error: BaseException | None,
-                commit_error: list[BaseException]) -> bytes:
-        """The primary's commit step: the outcome every process gets (msgpack)."""
-        if gather_error is not None:
-            self._abort()
-            return msgpack.packb({"error": str(gather_error)})
-        statuses = [msgpack.unpackb(s, strict_map_key=False) for s in gathered]
-        self.job_stats = _job_stats(statuses, self.stats)
-        failed = {p: s["error"] for p, s in enumerate(statuses) if s["error"]}
-        if failed:
-            self._abort()
-            return msgpack.packb({"error": "; ".join(f"process {p}: {e}" for p, e in failed.items())})
-        try:
-            self._commit(statuses)
-            return msgpack.packb({"error": None, "stats": _summary(self.job_stats)})
-        except NotDurableError as e:  # committed: nothing to abort, the save succeeded
-            return msgpack.packb({"error": None, "not_durable": str(e), "stats": _summary(self.job_stats)})
-        except BaseException as e:
-            commit_error.append(e)
-            # A lost race (another save committed here first) stays a FileExistsError.
-            after_failed_commit(self.storage, self.staged, e)
-            return msgpack.packb({"error": f"commit failed: {_describe(e)}",
-                                  "exists": isinstance(e, FileExistsError),
-                                  "unknown": isinstance(e, OutcomeUnknownError) or not isinstance(e, Exception)})
-
-    def _collect_sums(self, statuses: list[dict]) -> dict[int, dict[int, int]]:
-        """Every chunk's checksum: the primary's own, and each other process's index object,
-        read once each (io_concurrency at a time) and checked against its status."""
-        collected: dict[int, dict[int, int]] = {}
-        for array, m in self._own_sums.items():
-            collected.setdefault(array, {}).update(m)
-        wanted = [(p, s["index"]) for p, s in enumerate(statuses) if p != self.coord.process_index]
-        storage = self.staged.storage
-
-        def fetch(item):
-            p, index = item
-            if not index:
-                raise CheckpointError(f"process {p} reported no index object")
-            data = storage.get(index["key"], max_bytes=index["size"])
-            if len(data) != index["size"] or crc32c.crc32c(data) != index["crc"]:
-                raise CheckpointError(
-                    f"{storage.where(index['key'])}: the index object of process {p} holds {len(data)} bytes "
-                    f"with CRC-32C {crc32c.crc32c(data):#010x}, not the {index['size']} bytes with "
-                    f"{index['crc']:#010x} it reported (removed or changed before the commit?)")
-            return msgpack.unpackb(data)
-
-        if wanted:
-            with concurrent.futures.ThreadPoolExecutor(min(len(wanted), self.options.io_concurrency)) as pool:
-                for entries in pool.map(fetch, wanted):
-                    for array, flat, crc in entries:
-                        collected.setdefault(array, {})[flat] = crc
-        return collected
-
-    def _commit(self, statuses: list[dict]) -> None:
-        """Gather every process's chunk checksums into the records, then commit_written."""
-        if self.packing is not None:
-            records, stacks, section = self.packing.manifest_parts(self.leaves, self.stacks, statuses,
-                                                                   self.staged.prefix, array_specs(self.leaves, self.stacks))
-            commit_packed(self.storage, self.staged, self.encoding, records, stacks, section,
-                          overwrite=self.overwrite, user_metadata=self.user_metadata,
-                          objects=self.packing.own_objects(statuses, self.coord.process_index)
-                          if self.coord.process_count == 1 else None)
-            return
-        collected = self._collect_sums(statuses)
-        stacks = []
-        for s, stack in enumerate(self.stacks):
-            n = int(np.prod(chunk_grid(stack.shape, stack.zarr.chunk_shape)))
-            got = collected.get(-1 - s, {})
-            if len(got) != n:
-                raise CheckpointError(f"stack {s} ({stack.zarr.path}): {len(got)} of {n} chunks were written")
-            stacks.append(dataclasses.replace(stack, zarr=dataclasses.replace(
-                stack.zarr, path=self.staged.prefix + stack.zarr.path, chunk_checksums=tuple(got[k] for k in range(n)))))
-        records = []
-        for i, leaf in enumerate(self.leaves):
-            rec = leaf.record
-            st = rec.zarr
-            if rec.stacked is not None:
-                member = StackedStorage(rec.stacked.stack, rec.stacked.index, stacks[rec.stacked.stack])
-                rec = LeafRecord(rec.path, rec.kind, rec.shape, rec.dtype, rec.sharding, member, rec.value, rec.prng_impl)
-            elif st is not None:
-                n = int(np.prod(chunk_grid(rec.shape, leaf.chunk_shape)))
-                got = collected.get(i, {})
-                if len(got) != n:
-                    raise CheckpointError(f"leaf {rec.path!r}: {len(got)} of {n} chunks were written")
-                st = dataclasses.replace(st, path=self.staged.prefix + st.path,
-                                         chunk_checksums=tuple(got[k] for k in range(n)))
-                rec = LeafRecord(rec.path, rec.kind, rec.shape, rec.dtype, rec.sharding, st, rec.value, rec.prng_impl)
-            records.append(rec)
-        # One process: every file it wrote is checked (one listing per directory). Several: the
-        # primary checks what the processes reported (their index objects, read above, and every
-        # chunk of every array accounted for) and lists nothing: a listing of the generation
-        # grows with its objects (13,816 LIST pages at 1,024 hosts, issue 23).
-        commit_written(self.storage, self.staged, self.encoding, records, array_specs(self.leaves, self.stacks),
-                       overwrite=self.overwrite, stacks=stacks, user_metadata=self.user_metadata,
-                       check_files=self.coord.process_count == 1)
-

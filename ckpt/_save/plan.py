@@ -314,6 +314,11 @@ class ShardWrite:
     device: int
     nbytes: int
 
+    @property
+    def array_id(self) -> int:
+        """The id of the array the chunk belongs to (``array_specs``)."""
+        return self.leaf
+
 
 @dataclass(frozen=True)
 class PackedWrite:
@@ -329,6 +334,10 @@ class PackedWrite:
     process: int
     members: tuple[tuple[int, tuple[tuple[Box, int], ...]], ...]
     nbytes: int
+
+    @property
+    def array_id(self) -> int:
+        return self.array
 
 
 @dataclass(frozen=True)
@@ -425,12 +434,12 @@ def plan_save(arrays: Iterable[ArrayShards], *, pack_limit: int = PACK_LIMIT,
     packable = []
     # Arrays of one shape and sharding share one holders map (array_shards): what depends only
     # on it is worked out once per map, not once per leaf.
-    layouts: dict[int, tuple] = {}
+    placements: dict[int, tuple] = {}
     big = []
     for a in arrays:
         if a.shape is not None and 0 < math.prod(a.shape) * a.itemsize <= pack_limit:
-            layout = layouts.get(id(a.holders))
-            if layout is None:
+            placement = placements.get(id(a.holders))
+            if placement is None:
                 boxes = sorted(a.holders.items())
                 whole = tuple(sorted(set.intersection(*({p for p, _ in h} for _, h in boxes))))
                 # Each box's devices by process, once per holders map (a replicated array's one
@@ -441,9 +450,9 @@ def plan_save(arrays: Iterable[ArrayShards], *, pack_limit: int = PACK_LIMIT,
                     for q, d in h:
                         devs.setdefault(q, []).append(d)
                     by_proc.append((box, devs))
-                layout = layouts[id(a.holders)] = (whole, by_proc)
-            if layout[0]:
-                packable.append((a, layout))
+                placement = placements[id(a.holders)] = (whole, by_proc)
+            if placement[0]:
+                packable.append((a, placement))
                 continue
         big.append(a)
 

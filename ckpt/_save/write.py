@@ -1,5 +1,5 @@
-"""The writer of a save: hands this process's staged chunks to storage, checksums them, and
-gives their host memory back to the save's budget once each is durable."""
+"""The writer of a save: hands this process's staged chunks to the layout's ``ChunkWriter``,
+checksums them, and gives their host memory back to the save's budget once each is durable."""
 
 from __future__ import annotations
 
@@ -9,16 +9,12 @@ import queue
 import threading
 from collections import deque
 
-import numpy as np
-
 from ckpt._errors import CheckpointError
-from ckpt._format import ArraySpec, Stack, chunk_checksum
+from ckpt._format import ArraySpec, chunk_checksum
 from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import chunk_grid, chunk_index_of, flat_chunk_index
-from ckpt._save.commit import group_paths
-from ckpt._save.plan import Leaf, PackedWrite
+from ckpt._layout import ChunkWriter
 from ckpt._save.stage import SaveBudget
-from ckpt.storage import Storage
 
 # Bytes handed to storage and not yet durable, per process, while the caller is still making its
 # host copies of a save that fits its budget: enough to keep the disk busy, little enough not to
@@ -34,35 +30,6 @@ END = object()  # the last item the caller puts on the chunk queue
 FAILURE_POLL_S = 0.25
 
 
-def array_specs(leaves: list[Leaf], stacks: list[Stack]) -> dict[int, tuple[str, ArraySpec]]:
-    """(storage path, spec) of every Zarr array of the save, by array id: a leaf's index, or
-    ``-1 - s`` for stack s (the ids of the plan's writes)."""
-    specs = {}
-    for i, leaf in enumerate(leaves):
-        st = leaf.record.zarr
-        if st is not None:
-            attrs = {"jax_ckpt": {"path": leaf.record.path, "dtype": leaf.record.dtype, "encoding": st.encoding}}
-            specs[i] = (st.path, ArraySpec(tuple(leaf.record.shape), tuple(leaf.chunk_shape),
-                                           np.dtype(st.data_type), attrs))
-    members: dict[int, list[str]] = {}
-    for leaf in leaves:
-        if leaf.record.stacked is not None:
-            members.setdefault(leaf.record.stacked.stack, []).append(leaf.record.path)
-    for s, stack in enumerate(stacks):
-        # The member leaves' paths in stack order, so that a Zarr user can find a leaf's slice.
-        attrs = {"jax_ckpt": {"dtype": stack.dtype, "encoding": stack.zarr.encoding, "members": members[s]}}
-        specs[-1 - s] = (stack.zarr.path, ArraySpec(stack.shape, stack.zarr.chunk_shape,
-                                                     np.dtype(stack.zarr.data_type), attrs))
-    return specs
-
-
-def metadata_share(specs: dict[int, tuple[str, ArraySpec]], process: int, processes: int) -> list[tuple[str, ArraySpec]]:
-    """The arrays whose zarr.json `process` writes: every `processes`-th in the specs' order
-    (the same on every process), so that no process writes thousands of small files (a 70B
-    model's 2,169 leaves made process 0 write 2,897 of them at any scale: issue 23)."""
-    return [item for k, item in enumerate(specs.values()) if k % processes == process]
-
-
 class _InFlight:
     __slots__ = ("future", "nbytes", "array", "flat", "data", "lease")
 
@@ -71,12 +38,12 @@ class _InFlight:
             future, nbytes, array, flat, data, lease)
 
 
-def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, primary: bool,
-                  copied: threading.Event, budget: SaveBudget, max_inflight_bytes: int, prefix: str = "",
-                  stacks: list[Stack] = (), pressed: bool = False, max_inflight_writes: int | None = None,
-                  share: tuple[int, int] = (0, 1)) -> dict:
-    """Write this process's chunks as their host copies arrive; return their CRC-32Cs, by array
-    id (see array_specs) and flat chunk index.
+def write_chunks(writer: ChunkWriter, specs: dict[int, tuple[str, ArraySpec]], chunks: queue.Queue,
+                 copied: threading.Event, budget: SaveBudget, max_inflight_bytes: int, pressed: bool = False,
+                 max_inflight_writes: int | None = None) -> dict:
+    """Write this process's chunks through `writer` as their host copies arrive, then its
+    metadata objects; return the chunks' CRC-32Cs, by array id (``array_specs``: `specs`) and
+    flat chunk index.
 
     Each chunk's lease goes back to `budget` once its write is durable and its checksum taken,
     so the caller, waiting for budget, can stage the next chunk. The oldest write is retired
@@ -89,12 +56,7 @@ def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, pri
     `max_inflight_writes` bounds the writes handed to storage and not yet retired (object
     stores: so that once one chunk has given up after its retries, at most that many others
     were started, whatever the chunk sizes: issue 28, a SlowDown on every PUT).
-
-    `share`: (this process, processes): the arrays' zarr.json files are spread over the
-    processes (``metadata_share``); the primary also writes the groups'.
     """
-    specs = array_specs(leaves, stacks)
-    handles = storage.open_arrays(specs)
     grids = {a: chunk_grid(spec.shape, spec.chunk_shape) for a, (_, spec) in specs.items()}
     sums: dict[int, dict[int, int]] = {}
     inflight: deque[_InFlight] = deque()
@@ -116,22 +78,18 @@ def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, pri
             return
         cursor = (cursor + 1) % len(inflight)
         for e in (inflight[-1], inflight[cursor]):
-            done = getattr(e.future, "done", None)
-            if done is not None and done():
+            if e.future.done():
                 e.future.result()  # raises if it failed
 
     def look_for_failures() -> None:
         """Raise the error of a write in flight that has failed (the first found), if any."""
         for e in inflight:
-            done = getattr(e.future, "done", None)
-            if done is not None and done():
+            if e.future.done():
                 e.future.result()  # raises if it failed
 
     def wait_oldest(future) -> None:
         """Wait for `future` (the oldest write), looking for failures of the others meanwhile."""
-        done = getattr(future, "done", None)
-        if done is None:
-            return
+        done = future.done
         while not done():
             try:
                 future.result(FAILURE_POLL_S)
@@ -160,13 +118,13 @@ def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, pri
     def submit(item) -> None:
         nonlocal inflight_bytes
         w, host, lease = item
-        array = w.array if isinstance(w, PackedWrite) else w.leaf
+        array = w.array_id
         data = _dtypes.to_storage(host)
         del host
         spec = specs[array][1]
         flat = flat_chunk_index(chunk_index_of(w.box, spec.chunk_shape), grids[array])
         e = _InFlight(None, w.nbytes, array, flat, data, lease)
-        e.future = storage.write_chunk(handles[array], w.box, data)
+        e.future = writer.write_chunk(array, w.box, data)
         inflight.append(e)
         unsummed.append(e)
         inflight_bytes += w.nbytes
@@ -198,11 +156,7 @@ def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, pri
         while unsummed:
             checksum(unsummed.popleft())
         # Metadata last: the small fsynced files then overlap the chunk writes in flight.
-        created = [storage.create_array(path, spec) for path, spec in metadata_share(specs, *share)]
-        if primary:
-            # zarr.json of the root and every intermediate group, so stock zarr can browse the
-            # tree: the groups the commit checks for (commit.group_paths).
-            created += [storage.put_group(g) for g in sorted(group_paths((path for path, _ in specs.values()), prefix))]
+        created = writer.write_metadata()
         while inflight:
             retire()
         budget.finish()
@@ -217,9 +171,7 @@ def _write_chunks(storage: Storage, leaves: list[Leaf], chunks: queue.Queue, pri
         budget.abort(error)
         pending = [e.future for e in inflight] + created
         for fut in pending:
-            cancel = getattr(fut, "cancel", None)
-            if cancel is not None:
-                cancel()
+            fut.cancel()
         for fut in pending:
             try:
                 fut.result()

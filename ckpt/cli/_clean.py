@@ -63,7 +63,7 @@ def find_leftovers(storage: Storage) -> list[Found]:
     the checkpoints and steps directly below it (storage without renames keeps them there), and,
     when `storage` is itself a checkpoint on local disk, its own ``<name>.tmp-*`` siblings."""
     found = _below(storage)
-    if not storage.renames:
+    if not storage.caps.renames:
         for name in storage.list_dir("")[1]:
             if not (is_temp_name(name) or name.startswith(GENERATION_MARK)):
                 found += _below(storage.child(name))
@@ -98,7 +98,7 @@ def notes(storage: Storage) -> dict[str, str]:
     """For `ckpt ls`: entry name (directly below `storage`) -> what it is, for every uncommitted
     entry that holds staged data (a temporary directory; a step prefix without a manifest)."""
     out = {f.leftover.name: describe(f.leftover) for f in _below(storage)}
-    if not storage.renames:
+    if not storage.caps.renames:
         for name in storage.list_dir("")[1]:
             if is_temp_name(name) or name.startswith(GENERATION_MARK) or storage.child(name).exists(MANIFEST_NAME):
                 continue

@@ -173,7 +173,7 @@ def _check_chunk(storage: Storage, task: _ChunkTask) -> str | None:
         return _without(str(e), task.file)
     except OSError as e:
         return f"cannot read the file ({e.strerror or e})"
-    if not storage.reads_refuse_longer and not task.packed:
+    if not storage.caps.reads_refuse_longer and not task.packed:
         # The engine reads only the recorded size (TensorStore on S3/GCS: a longer object's tail
         # is never read, so restores are unaffected): one ranged read of the byte past the end
         # tells a chunk file longer than recorded (docs/storage.md, "Confined reads").

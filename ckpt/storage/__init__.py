@@ -9,9 +9,8 @@ gcs, file) or ``fsspec`` (zarr-python's FsspecStore over any fsspec file system)
 from ckpt._format import GENERATION_MARK, MANIFEST_NAME, TEMP_MARK, ArraySpec, is_temp_name
 from ckpt._memory import aligned_empty
 from ckpt._errors import NotDurableError, OutcomeUnknownError
-from ckpt.storage._base import Storage
+from ckpt.storage._base import Storage, StoreCaps
 from ckpt.storage._location import ENGINES, default_engine, location_text, open_storage
-from ckpt.storage._packed import PackWriter
 from ckpt.storage._wrapper import WrapperStorage
 
 # The door's internal side: what other layers of ckpt use besides the public names below.
@@ -19,9 +18,10 @@ from ckpt.storage._base import Done  # noqa: E402,F401
 from ckpt.storage._chunk_files import fsync_path  # noqa: E402,F401
 from ckpt.storage._location import scheme_of, tensorstore_spec  # noqa: E402,F401
 from ckpt.storage._local import exchange, remove_tree, rename_noreplace  # noqa: E402,F401
+from ckpt.storage._confine import check_local_key  # noqa: E402,F401  (ckpt verify: no data object behind a link)
 
 __all__ = [
     "ENGINES", "GENERATION_MARK", "MANIFEST_NAME", "TEMP_MARK", "ArraySpec", "NotDurableError",
-    "OutcomeUnknownError", "PackWriter", "Storage", "WrapperStorage", "aligned_empty", "default_engine", "is_temp_name",
+    "OutcomeUnknownError", "Storage", "StoreCaps", "WrapperStorage", "aligned_empty", "default_engine", "is_temp_name",
     "location_text", "open_storage",
 ]

@@ -30,6 +30,7 @@ import queue
 import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple
 
 import numpy as np
@@ -162,27 +163,49 @@ class Done:
     def done(self) -> bool:
         return True
 
+    def cancel(self) -> bool:
+        return False  # (finished: nothing to cancel)
 
-class Storage(ABC):
-    """One location and everything below it. See the module docstring for the contract.
 
-    Capability flags:
-      ``renames``: a staged directory is published by an atomic rename (local disk);
-      ``conditional_writes``: ``put_if_absent`` is atomic against other writers;
-      ``reads_into_buffers``: ``read_exact`` reads into the caller's buffer (``into``), so a
-      restore can reuse its read buffers batch after batch;
-      ``versioned_writes``: ``get_versioned`` / ``put_if_version`` replace an object only if it
-      is still the version read (a compare-and-swap: a lease takeover is atomic);
-      ``reads_refuse_longer``: ``read_exact`` refuses an object longer than expected (where it
-      does not, ``ckpt verify`` checks sizes itself).
+@dataclass(frozen=True)
+class StoreCaps:
+    """What a store can do, declared once by its engine as data (zarr-python's ``supports_*``),
+    never probed. A capability that comes with methods of its own names them; those methods are
+    the engine's (and ``WrapperStorage``'s, which forwards them), not the interface's.
+
+    engine: the engine's name (``local``, ``tensorstore``, ``fsspec``).
+    renames: the location is a directory of the local file system that the commit stages beside
+      it and renames into place (``root``, ``sync``, ``make_dirs``, ``pin``, ``du``; the rename
+      commit of ``ckpt._commit``).
+    conditional_writes: ``put_if_absent`` is atomic against other writers.
+    versioned_writes: ``get_versioned`` / ``put_if_version`` replace an object only if it is still
+      the version read (a compare-and-swap: a lease takeover is atomic).
+    reads_into_buffers: ``read_exact`` reads into the caller's buffer (``into``), so a restore can
+      reuse its read buffers batch after batch.
+    reads_refuse_longer: ``read_exact`` refuses an object longer than expected (where it does
+      not, ``ckpt verify`` checks sizes itself).
+    writes_in_place: ``open_pack`` writes a data object of the packed layout in place, chunk by
+      chunk (local disk); otherwise a save assembles each data object and writes it with ``put``.
+    response_part_bytes: the engine holds each ranged response (of this many bytes) whole in
+      memory of its own until it is taken (TensorStore on object stores): the reader bounds its
+      batches by it. None: reads land in the caller's buffers.
     """
 
     engine: str = "?"
     renames: bool = False
     conditional_writes: bool = False
-    reads_into_buffers: bool = False
     versioned_writes: bool = False
+    reads_into_buffers: bool = False
     reads_refuse_longer: bool = True
+    writes_in_place: bool = False
+    response_part_bytes: int | None = None
+
+
+class Storage(ABC):
+    """One location and everything below it. See the module docstring for the contract; what
+    the engine can do is its ``caps`` (``StoreCaps``)."""
+
+    caps: StoreCaps = StoreCaps()
 
     # ---- location ----------------------------------------------------------------------
 
@@ -262,13 +285,6 @@ class Storage(ABC):
         out[:] = np.frombuffer(data, np.uint8, length, start)
         return out
 
-    def read_window_bytes(self, io_concurrency: int) -> int | None:
-        """The most chunk bytes a restore reads in one batch here, with `io_concurrency`
-        requests in flight (None: as many as the host budget allows). An engine whose reads
-        land in memory of its own before they reach the caller's buffers bounds it, so that
-        this memory is reused batch after batch instead of faulted in fresh for every byte."""
-        return None
-
     def pin(self) -> contextlib.AbstractContextManager["Storage"]:
         """A context whose storage keeps reading what is at this location now, even if the
         location is replaced meanwhile (an overwrite): a reader never mixes two checkpoints.
@@ -280,32 +296,10 @@ class Storage(ABC):
     def put(self, key: str, data: bytes) -> Any:
         """Write (or replace) a small object; returns a future, durable once it resolves."""
 
-    # Whether ``open_pack`` writes a data object of the packed layout in place, chunk by chunk
-    # (local disk); otherwise the save assembles each data object and writes it with ``put``.
-    streams_packs = False
-
-    def open_pack(self, key: str) -> Any:
-        """A data object of the packed layout (formats/SPEC.md section 13), written in place:
-        ``write_at(offset, array) -> future`` (done once the bytes are in the file; the caller
-        does not change the array until then) and ``close(size) -> future`` (after every write
-        finished: the object's size set and it made durable). Where ``streams_packs``."""
-        raise NotImplementedError(f"{type(self).__name__} writes data objects whole (streams_packs is False)")
-
     @abstractmethod
     def put_if_absent(self, key: str, data: bytes) -> None:
         """Write the object only if none exists; FileExistsError otherwise. Atomic where
         ``conditional_writes`` is set."""
-
-    def get_versioned(self, key: str, *, max_bytes: int) -> tuple[bytes | None, Any]:
-        """(bytes or None when missing, version) of the object, for ``put_if_version``. Only
-        where ``versioned_writes``."""
-        raise NotImplementedError(f"{type(self).__name__} has no versioned writes")
-
-    def put_if_version(self, key: str, data: bytes, version: Any) -> Any:
-        """Replace the object only if it is still at `version` (from ``get_versioned``; a
-        missing object's version means: only if still missing). Returns the new version, or None
-        when the object changed meanwhile (nothing written). Only where ``versioned_writes``."""
-        raise NotImplementedError(f"{type(self).__name__} has no versioned writes")
 
     @abstractmethod
     def exists(self, key: str) -> bool:

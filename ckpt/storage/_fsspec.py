@@ -22,6 +22,7 @@ from ckpt._errors import CheckpointError
 from ckpt._format import ArraySpec
 from ckpt._geometry import Box, chunk_index_of, chunk_key
 from ckpt.storage._base import (
+    StoreCaps,
     READ_PIECE,
     Storage,
     check_range,
@@ -105,8 +106,6 @@ class FsspecStorage(Storage):
     `fs`: the fsspec file system; `path`: the location in it (no trailing '/'); `url`: as shown.
     """
 
-    engine = "fsspec"
-    conditional_writes = True
 
     def __init__(self, fs, path: str, url: str, concurrency: int, timeout_s: float | None = None):
         from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
@@ -120,11 +119,11 @@ class FsspecStorage(Storage):
         # elsewhere fsspec checks, then writes.
         self._object_store = bool({"s3", "s3a", "gs", "gcs"} & set(
             fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)))
-        self.conditional_writes = self._local or self._object_store
         # Compare-and-swap on the ETag (PUT with If-Match, botocore >= 1.35.58) on s3fs; gcsfs
         # has no conditional replace through fsspec (docs/storage.md, "Leases").
         protocols = set(fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-        self.versioned_writes = bool({"s3", "s3a"} & protocols) and getattr(fs, "async_impl", False)
+        self.caps = StoreCaps("fsspec", conditional_writes=self._local or self._object_store,
+                              versioned_writes=bool({"s3", "s3a"} & protocols) and bool(getattr(fs, "async_impl", False)))
         async_fs = fs if getattr(fs, "async_impl", False) else AsyncFileSystemWrapper(fs, asynchronous=True)
         self.store = FsspecStore(fs=async_fs, path=self._path, read_only=False)
 

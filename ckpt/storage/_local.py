@@ -37,6 +37,7 @@ from ckpt._format import ArraySpec
 from ckpt._geometry import Box, chunk_index_of, chunk_key
 from ckpt._memory import aligned_empty
 from ckpt.storage._base import (
+    StoreCaps,
     Usage,
     check_range,
     range_buffer,
@@ -137,10 +138,8 @@ class LocalStorage(TensorStoreStorage):
     """A directory on the local file system (`root`: an absolute path). `pinned_fd`: an open
     descriptor of the directory that every read goes through (see ``pin``)."""
 
-    engine = "local"
-    renames = True
-    conditional_writes = True
-    reads_into_buffers = True
+    caps = StoreCaps("local", renames=True, conditional_writes=True, versioned_writes=True, reads_into_buffers=True,
+                     writes_in_place=True)
 
     def __init__(self, root: str, concurrency: int, pinned_fd: int | None = None):
         self.root = os.path.abspath(root)
@@ -376,8 +375,6 @@ class LocalStorage(TensorStoreStorage):
         if self._chunk_writer is None:
             self._chunk_writer = ChunkFileWriter(self.root, self._concurrency)
         return self._chunk_writer.write(f"{path}/{chunk_key(chunk_index_of(box, chunk_shape))}", data, size)
-
-    streams_packs = True
 
     def open_pack(self, key: str) -> PackFile:
         return PackFile(self._path(key), self._concurrency)

@@ -19,6 +19,7 @@ from ckpt._errors import CheckpointError
 from ckpt._format import ArraySpec, zarr_metadata
 from ckpt._geometry import Box, box_to_index, chunk_index_of, chunk_key
 from ckpt.storage._base import (
+    StoreCaps,
     Storage,
     check_range,
     range_buffer,
@@ -262,21 +263,24 @@ def _refuse_longer(probe, where: str, nbytes: int, timeout_s: float | None = Non
 class TensorStoreStorage(Storage):
     """A location in a TensorStore kvstore (`kvstore`: a kvstore spec whose path ends in '/')."""
 
-    engine = "tensorstore"
-    reads_into_buffers = True
+    caps = StoreCaps("tensorstore", reads_into_buffers=True)
 
     def __init__(self, kvstore: dict, url: str, context: ts.Context, *, conditional_writes: bool = True,
                  timeout_s: float | None = None):
         self._spec = dict(kvstore)
         self._url = url.rstrip("/")
         self._context = context
-        self.conditional_writes = conditional_writes
-        # Generations: every kvstore driver here has them (memory, file, s3: ETag, gcs); a
-        # compare-and-swap needs them honoured, which conditional_writes says.
-        self.versioned_writes = conditional_writes
+        self._conditional = conditional_writes
         self._remote = self._spec.get("driver") in ("s3", "gcs")
-        # Remote stores skip the one-byte probe past a chunk's end (see _ObjectRead).
-        self.reads_refuse_longer = not self._remote
+        # Generations: every kvstore driver here has them (memory, file, s3: ETag, gcs); a
+        # compare-and-swap needs them honoured, which conditional_writes says. Remote stores
+        # skip the one-byte probe past a chunk's end (see _ObjectRead). Every driver but the
+        # file driver holds each ranged response whole until it is taken (the reader's window).
+        if type(self) is TensorStoreStorage:
+            self.caps = StoreCaps("tensorstore", conditional_writes=conditional_writes,
+                                  versioned_writes=conditional_writes, reads_into_buffers=True,
+                                  reads_refuse_longer=not self._remote,
+                                  response_part_bytes=None if self._spec.get("driver") == "file" else PART_BYTES)
         # Every wait on a request is bounded (request_timeout_s); None: local files, unbounded.
         self._timeout_s = timeout_s
         self._kv: ts.KvStore | None = None
@@ -293,7 +297,7 @@ class TensorStoreStorage(Storage):
 
     def _with_path(self, path: str, url: str) -> "TensorStoreStorage":
         return type(self)({**self._spec, "path": path}, url, self._context,
-                          conditional_writes=self.conditional_writes, timeout_s=self._timeout_s)
+                          conditional_writes=self._conditional, timeout_s=self._timeout_s)
 
     def child(self, key: str) -> "TensorStoreStorage":
         key = key.strip("/")
@@ -396,16 +400,6 @@ class TensorStoreStorage(Storage):
             # buffer, sized by fstat first) keeps it, on the reader's pool.
             return Storage.read_chunk_async(self, path, index, nbytes, executor, into)
         return _ObjectRead(self, f"{path}/{chunk_key(index)}", nbytes, into, None)
-
-    def read_window_bytes(self, io_concurrency: int) -> int | None:
-        # TensorStore holds every response whole until it is taken: with a whole 0.5 GiB
-        # restore in flight at once, that memory and the read buffers were fresh pages for
-        # every byte. Batches of two parts per request in flight (at least 128 MiB; the next
-        # batch's reads go out while one is placed) restored the benchmark tree from SeaweedFS
-        # in 0.69 s instead of 0.95 s (medians of 8, interleaved: docs/benchmarks.md).
-        if self._spec.get("driver") == "file":
-            return None
-        return max(128 << 20, 2 * io_concurrency * PART_BYTES)
 
     def _object_read_done(self) -> None:
         with self._lock:

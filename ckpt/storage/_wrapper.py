@@ -21,7 +21,7 @@ import numpy as np
 
 from ckpt._format import ArraySpec
 from ckpt._geometry import Box
-from ckpt.storage._base import Storage, Usage
+from ckpt.storage._base import Storage, StoreCaps, Usage
 
 
 class WrapperStorage(Storage):
@@ -34,24 +34,8 @@ class WrapperStorage(Storage):
         return type(self)(inner)
 
     @property
-    def engine(self) -> str:  # type: ignore[override]
-        return self.inner.engine
-
-    @property
-    def renames(self) -> bool:  # type: ignore[override]
-        return self.inner.renames
-
-    @property
-    def conditional_writes(self) -> bool:  # type: ignore[override]
-        return self.inner.conditional_writes
-
-    @property
-    def versioned_writes(self) -> bool:  # type: ignore[override]
-        return self.inner.versioned_writes
-
-    @property
-    def reads_refuse_longer(self) -> bool:  # type: ignore[override]
-        return self.inner.reads_refuse_longer
+    def caps(self) -> StoreCaps:  # type: ignore[override]
+        return self.inner.caps
 
     @property
     def url(self) -> str:
@@ -90,13 +74,6 @@ class WrapperStorage(Storage):
     def get(self, key: str, *, max_bytes: int) -> bytes:
         return self.inner.get(key, max_bytes=max_bytes)
 
-    @property
-    def reads_into_buffers(self) -> bool:
-        return self.inner.reads_into_buffers
-
-    def read_window_bytes(self, io_concurrency: int) -> int | None:
-        return self.inner.read_window_bytes(io_concurrency)
-
     def read_exact(self, key: str, nbytes: int, into: np.ndarray | None = None) -> np.ndarray:
         return self.inner.read_exact(key, nbytes, into)
 
@@ -108,10 +85,6 @@ class WrapperStorage(Storage):
 
     def put(self, key: str, data: bytes) -> Any:
         return self.inner.put(key, data)
-
-    @property
-    def streams_packs(self) -> bool:  # type: ignore[override]
-        return self.inner.streams_packs
 
     def open_pack(self, key: str) -> Any:
         return self.inner.open_pack(key)

@@ -3,10 +3,10 @@ chunks go into a few data objects, ``~data/<process>.<k>``, at aligned offsets, 
 object per chunk, so that a save makes O(processes) objects, not O(chunks) (issue 23: 13.8 M
 objects at 1,024 hosts).
 
-``PackWriter`` stands in for a Storage where the save's writer hands chunks over
-(``open_arrays`` / ``write_chunk`` / ``create_array`` / ``put_group``). Two ways, by engine:
+``PackWriter`` is the layout's ``ChunkWriter``: the save's writer hands it each chunk
+(``write_chunk``). Two ways, by engine:
 
-* an engine that writes files in place (``Storage.streams_packs``: local disk) gets each chunk
+* an engine that writes files in place (``StoreCaps.writes_in_place``: local disk) gets each chunk
   written at its offset as it arrives (direct I/O where aligned), each data object fsynced when
   it is full and at ``close``; a chunk's write is done once its bytes are in the file;
 * any other engine (object stores) gets whole objects: each chunk is copied into an assembly
@@ -26,7 +26,8 @@ import numpy as np
 
 from ckpt._format import ALIGN, DATA_DIR, SMALL_ALIGN, ArraySpec
 from ckpt._geometry import Box, chunk_grid, chunk_index_of, flat_chunk_index
-from ckpt.storage._base import Done
+from ckpt._layout.base import ChunkWriter
+from ckpt.storage import Done, Storage
 
 
 def _aligned(n: int, length: int) -> int:
@@ -48,19 +49,20 @@ class _Pack:
         self.number, self.end, self.file, self.buffer, self.future = number, 0, None, None, None
 
 
-class PackWriter:
-    """Write chunks into this process's data objects below `storage` (the staged place).
+class PackWriter(ChunkWriter):
+    """Write chunks into this process's data objects below `storage` (the staged place), of the
+    arrays `specs` (``array_specs``: by array id).
 
     `target_bytes`: the size at which a data object is closed and a new one begun (a chunk
     that would cross it starts the next one). `buffers`: the assembly buffers (uint8 arrays,
-    counted in the save's budget by the caller) for an engine without ``streams_packs``; a data
+    counted in the save's budget by the caller) for an engine without ``writes_in_place``; a data
     object is then at most one buffer, and a chunk larger than a buffer is written as an object
     of its own, from its own memory. One thread calls write_chunk."""
 
-    def __init__(self, storage: Any, process: int, target_bytes: int, buffers: list = (),
-                 data_dir: str = DATA_DIR) -> None:
+    def __init__(self, storage: Storage, process: int, target_bytes: int, specs: dict[int, tuple[str, ArraySpec]],
+                 buffers: list = (), data_dir: str = DATA_DIR) -> None:
         self.storage, self.process, self.data_dir = storage, process, data_dir
-        self.streams = bool(getattr(storage, "streams_packs", False))
+        self.streams = storage.caps.writes_in_place
         self.target_bytes = max(ALIGN, int(target_bytes))
         self._free = list(buffers)  # assembly buffers not in use
         self._buffer_bytes = min((len(b) for b in self._free), default=0)
@@ -69,33 +71,20 @@ class PackWriter:
         self._sent: list[_Pack] = []  # packs whose buffer's PUT may still run
         self._packs: list[_Pack] = []
         self._current: _Pack | None = None
-        self._specs: dict[int, ArraySpec] = {}
-        self._grids: dict[int, tuple[int, ...]] = {}
+        self._specs = {a: spec for a, (_, spec) in specs.items()}
+        self._grids = {a: chunk_grid(spec.shape, spec.chunk_shape) for a, spec in self._specs.items()}
         # (array id, flat chunk index) -> (object number, offset, length)
         self.locations: dict[tuple[int, int], tuple[int, int, int]] = {}
         self.requests = 0
 
-    def __getattr__(self, name: str):
-        return getattr(self.storage, name)
-
     def object_key(self, number: int) -> str:
         return f"{self.data_dir}/{self.process}.{number}"
 
-    # ---- the writer's side of Storage ------------------------------------------------------
+    def write_metadata(self) -> list:
+        return []  # array metadata is in the manifest (no zarr.json in version 3)
 
-    def open_arrays(self, arrays: dict[Any, tuple[str, ArraySpec]]) -> dict[Any, Any]:
-        for a, (_, spec) in arrays.items():
-            self._specs[a] = spec
-            self._grids[a] = chunk_grid(spec.shape, spec.chunk_shape)
-        return {a: a for a in arrays}
-
-    def create_array(self, path: str, spec: ArraySpec) -> Any:
-        return Done(None)  # array metadata is in the manifest (no zarr.json in version 3)
-
-    def put_group(self, path: str) -> Any:
-        return Done(None)
-
-    def write_chunk(self, handle: Any, box: Box, data: np.ndarray) -> Any:
+    def write_chunk(self, array: int, box: Box, data: np.ndarray) -> Any:
+        handle = array
         spec = self._specs[handle]
         chunk_shape = tuple(spec.chunk_shape)
         if data.shape != chunk_shape:  # an edge chunk: stored whole, the part outside zeros
@@ -106,7 +95,7 @@ class PackWriter:
         length = math.prod(chunk_shape) * data.dtype.itemsize
         if not self.streams and length > self._buffer_bytes:
             if not self._buffer_bytes:  # (a writer for whole objects needs its buffers)
-                raise ValueError("PackWriter: this storage writes data objects whole (streams_packs "
+                raise ValueError("PackWriter: this storage writes data objects whole (writes_in_place "
                                  "is False) and no assembly buffers were given")
             return self._alone(handle, flat, data, length)  # (no assembly buffer holds it)
         pack = self._current

@@ -1,150 +1,59 @@
-"""The commit protocol: how a save becomes a checkpoint, atomically, in one or many processes.
-
-1. Every process computes the save plan and a fingerprint of it; the fingerprints are compared.
-2. The primary process (index 0) checks the destination and stages the save
-   (``ckpt._commit``'s strategy ``stage``: a temporary sibling directory ``<path>.tmp-<token>`` on local disk, a fresh
-   generation prefix ``<path>/gen-<token>/`` elsewhere); where it is is broadcast.
-3. Every process writes its chunks there (each durable before it reports) and reports its status
-   and chunk checksums to the primary.
-4. When all succeeded, the primary writes the manifest last (the strategy's ``commit``: inside the
-   temporary directory, which is then renamed into place; or write-if-absent of
-   ``<path>/manifest.msgpack``). Otherwise it removes what was staged (``abort``).
-5. The outcome is broadcast; every process returns or raises.
-
-A crash at any point leaves the previous checkpoint (or nothing) at ``<path>``, plus at most
-staged data that no manifest points to, which readers never read. Processes talk through a
-``ckpt._commit.Coordinator``: a local one, or the jax.distributed key-value store in
-ckpt._distributed. This module builds what the commit writes (the manifest, the packed layout's
-index objects); ``ckpt._commit`` makes it visible.
-"""
+"""The packed layout (format version 3, formats/SPEC.md section 13): each process writes its
+chunks into a few data objects and one index object (``pack_writer.PackWriter``); the primary
+builds the manifest's records and ``packed`` section from the processes' statuses alone: no index
+object or data object is read or listed at the commit (issue 23)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable
+from typing import Any
 
 import crc32c
 import numpy as np
 
+from ckpt._commit import Staged, commit_checkpoint
 from ckpt._errors import CheckpointError
 from ckpt._format import (
     ALIGN,
-    GROUP_METADATA,
+    INDEX_DIR,
     INDEX_DTYPE,
     PACKED_VERSION,
-    STACKS_VERSION,
-    TEMP_MARK,
     ArraySpec,
     LeafRecord,
     Manifest,
     Stack,
     StackedStorage,
-    array_metadata_bytes,
     encode_index,
     packed_section,
-    is_temp_name,
 )
-from ckpt._geometry import chunk_grid, chunk_index_of, chunk_key, flat_chunk_index
-from ckpt._commit import Staged, commit_checkpoint
-from ckpt.storage import Storage
+from ckpt._geometry import chunk_grid, chunk_index_of, flat_chunk_index
+from ckpt._layout.base import PACKED, ChunkWriter, SaveFacts, SaveLayout
+from ckpt._layout.files import check_sizes
+from ckpt._layout.pack_writer import PackWriter
+from ckpt.storage import Storage, StoreCaps
 
-__all__ = ["TEMP_MARK", "is_temp_name"]
-
-# Where each process but the primary puts its index object in the staged place: the checksums
-# of the chunks it wrote, read once by the primary at the commit (so statuses stay O(1) bytes
-# in the coordination service). '~' never begins a leaf's escaped storage path (except the
-# '~<leaf index>' of a clash, which is never '~index'); the manifest does not reference it.
-INDEX_DIR = "~index"
-
-
-def commit_written(storage: Storage, staged: Staged, tree: dict, records: list[LeafRecord],
-                   specs: dict[int, tuple[str, ArraySpec]], *, overwrite: bool, stacks: list[Stack] = (),
-                   user_metadata: dict | None = None, action: str = "save", check_files: bool = True) -> None:
-    """Step 4 of the protocol, the one way anything becomes a checkpoint (``save`` and
-    ``convert``): check that every file written is in the staged place, whole; record the
-    CRC-32C of every zarr.json; build the manifest at the lowest format version that describes
-    it; commit it (``commit_checkpoint``).
-
-    `records`: every leaf as the manifest records it (storage paths with ``staged.prefix``,
-    chunk checksums filled in); `specs`: (storage path without the prefix, spec) of every Zarr
-    array written, as ``array_specs`` gives them; `stacks` likewise complete. `action` names
-    the operation in messages. On failure see ``after_failed_commit``. `check_files` False:
-    the files are not listed (a multi-process save checks what its processes reported instead);
-    the zarr.json checksums are computed all the same.
-    """
-    from ckpt._version import __version__
-
-    zarr_json = _check_written(staged, specs, storage.url, action, check_files)
-    # A manifest without stacks is version 1, which every reader reads (_format.records).
-    manifest = Manifest(tree, list(records), user_metadata=user_metadata, library_version=__version__,
-                        stacks=list(stacks), format_version=STACKS_VERSION if stacks else 1, zarr_json=zarr_json)
-    commit_checkpoint(storage, staged, manifest, overwrite=overwrite)
+# Object stores: a data object is one PUT, two of a process in flight. Its bytes in about six
+# objects of at least 64 MiB keep its uploads parallel: one process saving 1 GiB to SeaweedFS
+# (python -m bench --gib 1 --url s3://... --seaweedfs, CKPT_LAYOUT=packed), save / raw PUT was
+# 1.04 with 64 MiB objects, 0.78 with 256 MiB and 0.50 with 1 GiB. Six data objects and the
+# index object stay within the 8 objects a process of issue 23's bound.
+PUT_OBJECTS, MIN_PUT_OBJECT_BYTES = 6, 64 << 20
 
 
-def group_paths(array_paths: Iterable[str], prefix: str) -> set[str]:
-    """The Zarr groups a save writes a zarr.json for, so stock zarr can browse the tree: the root
-    and every group above an array. None in a generation prefix without arrays: no manifest path
-    would reference it, so no overwrite could ever find and delete it."""
-    array_paths = list(array_paths)
-    groups = {""} if array_paths or not prefix else set()
-    for path in array_paths:
-        parts = path.split("/")
-        groups.update("/".join(parts[:k]) for k in range(1, len(parts)))
-    return groups
-
-
-def _check_written(staged: Staged, specs: dict[int, tuple[str, ArraySpec]], final: str,
-                   action: str = "save", check_files: bool = True) -> dict[str, int]:
-    """Check that every file the save wrote is still in the staged place, whole (a save never
-    commits what someone removed or truncated meanwhile); return the CRC-32C of every zarr.json,
-    keyed as the manifest records them."""
-    expected: dict[str, int] = {}
-    zarr_json: dict[str, int] = {}
-    for path, spec in specs.values():
-        meta = array_metadata_bytes(spec)
-        expected[f"{path}/zarr.json"] = len(meta)
-        zarr_json[f"{staged.prefix}{path}/zarr.json"] = crc32c.crc32c(meta)
-        chunk_bytes = math.prod(spec.chunk_shape) * spec.dtype.itemsize
-        if check_files:
-            for index in np.ndindex(*chunk_grid(spec.shape, spec.chunk_shape)):
-                expected[f"{path}/{chunk_key(index)}"] = chunk_bytes
-    for group in group_paths((path for path, _ in specs.values()), staged.prefix):
-        key = f"{group}/zarr.json" if group else "zarr.json"
-        expected[key] = len(GROUP_METADATA)
-        zarr_json[staged.prefix + key] = crc32c.crc32c(GROUP_METADATA)
-    if not check_files:
-        return zarr_json
-    _check_sizes(staged, expected, f"{action} to {final}", action)
-    return zarr_json
-
-
-def _check_sizes(staged: Staged, expected: dict[str, int], what: str, action: str = "save") -> None:
-    """Raise unless every key of `expected` is in the staged place with its size (one stat each)."""
-    found = staged.storage.stat_many(expected)
-    bad = [f"{staged.storage.where(k)} ({'missing' if found[k] is None else f'{found[k]} of {n} bytes'})"
-           for k, n in expected.items() if found[k] is None or (found[k] >= 0 and found[k] != n)]
-    if bad:
-        raise CheckpointError(
-            f"{what}: {len(bad)} file(s) it wrote are gone or changed before the commit, e.g. {bad[0]} "
-            f"(did another process remove the {action}'s temporary data?); nothing was committed")
-
-
-# ---- the packed layout (format version 3, formats/SPEC.md section 13) -------------------------
-
-
-class PackedSave:
-    """The packed layout's part of one save: this process's index object, and (the primary's)
-    the manifest's records and ``packed`` section, from the statuses alone: no index object
-    or data object is read or listed at the commit (issue 23).
+class PackedSave(SaveLayout):
+    """The packed layout's part of one save: this process's data objects and index object, and
+    (the primary's) the manifest's records and ``packed`` section, from the statuses alone.
 
     `plan`: this process's SavePlan (pointers, stacks' and whole arrays' writers); `shards`:
     array_shards of the save's leaves (which arrays one process wrote whole); `target_bytes`:
     the data objects' size (PackWriter)."""
 
+    name = PACKED
+
     def __init__(self, plan, shards, target_bytes: int) -> None:
         self.plan, self.shards, self.target_bytes = plan, shards, target_bytes
-        self.writer = None  # the PackWriter of the save's writes
+        self.writer: PackWriter | None = None  # the writer of the save's chunks
         self.written = 0
         self.leases: list = []  # the assembly buffers' budget (object stores), while writing
         self.buffer_bytes = 0
@@ -155,6 +64,59 @@ class PackedSave:
         # 7 index objects read by every process without them).
         self.small = {-1 - s for s in range(len(plan.stacks))} | set(plan.whole)
         self.places: list[list] = []
+
+    @classmethod
+    def prepare(cls, plan, shards, target_bytes: int, budget: Any, caps: StoreCaps, writes: list) -> "PackedSave":
+        """The layout of a save of `writes` (this process's): data objects of `target_bytes`
+        (``Options.pack_object_bytes``); where the engine writes whole objects (object stores),
+        also at most a quarter of the budget and about a sixth of this process's bytes (at least
+        64 MiB), with two assembly buffers of that size (or of this process's bytes, when fewer)
+        from the budget, taken now, before any chunk is staged: the writer never waits for budget
+        the copies hold."""
+        # (each chunk at most ALIGN bytes of padding before it)
+        mine = sum(w.nbytes for w in writes) + ALIGN * len(writes)
+        if not caps.writes_in_place:
+            target_bytes = min(target_bytes, max(budget.limit // 4, 1 << 20),
+                               max(MIN_PUT_OBJECT_BYTES, -(-mine // PUT_OBJECTS)))
+        layout = cls(plan, shards, target_bytes)
+        if not caps.writes_in_place and writes:
+            layout.buffer_bytes = min(target_bytes, mine)
+            layout.leases = [budget.acquire(layout.buffer_bytes, buffer=True) for _ in range(1 if mine <= target_bytes else 2)]
+        return layout
+
+    def open(self, facts: SaveFacts) -> ChunkWriter:
+        self.writer = PackWriter(facts.staged.storage, facts.process, self.target_bytes, facts.specs,
+                                 [lease.buffer[:self.buffer_bytes] for lease in self.leases])
+        return self.writer
+
+    def close(self) -> None:
+        self.writer.close()  # every data object durable (or the first failure)
+
+    def abandon(self) -> None:
+        if self.writer is not None:
+            self.writer.abandon()  # (every write started has ended: the abort may remove them)
+
+    def release(self, budget: Any) -> None:
+        for lease in self.leases:
+            budget.release(lease)
+        self.leases = []
+
+    def report(self, facts: SaveFacts, sums: dict) -> dict | None:
+        """Write this process's index object (its chunks' places and CRC-32Cs, and pointers to
+        the writers of the chunks it holds and others wrote); return what the status says of it
+        (O(1) bytes: the primary never reads it)."""
+        data = self.index_object(facts.process, facts.staged.prefix, sums, facts.specs)
+        key = f"{INDEX_DIR}/{facts.process}"
+        facts.staged.storage.put(key, data).result()
+        return {"key": key, "size": len(data), "crc": crc32c.crc32c(data), "chunks": self.written,
+                "places": self.places}
+
+    def commit(self, facts: SaveFacts, statuses: list[dict]) -> None:
+        records, stacks, section = self.manifest_parts(facts.leaves, facts.stacks, statuses, facts.staged.prefix,
+                                                       facts.specs)
+        commit_packed(facts.storage, facts.staged, facts.tree, records, stacks, section,
+                      overwrite=facts.overwrite, user_metadata=facts.user_metadata,
+                      objects=self.own_objects(statuses, facts.process) if facts.processes == 1 else None)
 
     def index_object(self, process: int, prefix: str, sums: dict, specs: dict) -> bytes:
         w = self.writer
@@ -262,7 +224,7 @@ def commit_packed(storage: Storage, staged: Staged, tree: dict, records: list[Le
     from ckpt._version import __version__
 
     if objects:
-        _check_sizes(staged, objects, f"save to {storage.url}")
+        check_sizes(staged, objects, f"save to {storage.url}")
     manifest = Manifest(tree, list(records), user_metadata=user_metadata, library_version=__version__,
                         stacks=list(stacks), format_version=PACKED_VERSION, packed=section)
     commit_checkpoint(storage, staged, manifest, overwrite=overwrite)

@@ -1,0 +1,96 @@
+"""What a chunk layout is to the save: a ``ChunkWriter`` that puts one process's chunks into
+objects, and a ``SaveLayout`` that does the rest of one process's part of a save in that layout
+(its report to the primary, and, on the primary, the manifest's records and the commit).
+
+The layout of a save is a value chosen once (``layout_name``) and agreed by every process; the
+save's steps (``ckpt/_save/``) call these interfaces and never ask which layout it is.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt._commit import Staged
+from ckpt._format import ArraySpec, Stack
+from ckpt._geometry import Box
+from ckpt.storage import Storage, StoreCaps
+
+# The layouts by name (Options.layout, CKPT_LAYOUT): the files of format versions 1-2, one object
+# per chunk; the packed layout of format version 3, a few data objects per process.
+FILES, PACKED = "files", "packed"
+
+
+def layout_name(option: str, processes: int) -> str:
+    """The layout of a save: `option` (``Options.layout``), ``auto`` meaning packed when the save
+    runs on several processes (O(processes) objects, not O(chunks): issue 23)."""
+    return PACKED if option == PACKED or (option == "auto" and processes > 1) else FILES
+
+
+class ChunkWriter(ABC):
+    """Where the save's writer hands this process's chunks. Futures resolve once durable; the
+    caller does not change a chunk's data until then. `requests`: what it sent so far."""
+
+    requests: int = 0
+
+    @abstractmethod
+    def write_chunk(self, array: int, box: Box, data: Any) -> Any:
+        """Write the chunk of array `array` (an id of ``array_specs``) covering `box` (the chunk's
+        region; an edge chunk's data is the part inside the array), in the storage dtype."""
+
+    @abstractmethod
+    def write_metadata(self) -> list:
+        """Write this process's share of the layout's metadata objects, after its chunks;
+        futures."""
+
+
+@dataclass
+class SaveFacts:
+    """What a layout's commit needs of the save (the primary's): where it goes, what it holds."""
+
+    storage: Storage
+    staged: Staged
+    tree: dict  # the encoded tree (the manifest's `tree`)
+    leaves: list  # the save's Leaf descriptions (``ckpt._save.plan``), by leaf index
+    stacks: list[Stack]
+    specs: dict[int, tuple[str, ArraySpec]]  # array_specs(leaves, stacks)
+    overwrite: bool
+    user_metadata: dict | None
+    process: int
+    processes: int
+    io_concurrency: int = 8
+    extra: dict = field(default_factory=dict)
+
+
+class SaveLayout(ABC):
+    """One process's part of one save in a chunk layout."""
+
+    name: str
+
+    @abstractmethod
+    def open(self, facts: SaveFacts) -> ChunkWriter:
+        """The writer of this process's chunks into the staged place."""
+
+    def max_inflight_writes(self, caps: StoreCaps, io_concurrency: int) -> int | None:
+        """The most writes handed to storage and not yet durable (None: bytes bound them)."""
+        return None
+
+    def close(self) -> None:
+        """Every chunk written is durable (raises the first failure)."""
+
+    def abandon(self) -> None:
+        """After a failure: every write started has ended (errors not raised)."""
+
+    def release(self, budget: Any) -> None:
+        """Give back what the layout took from the save's host budget."""
+
+    @abstractmethod
+    def report(self, facts: SaveFacts, sums: dict) -> dict | None:
+        """After this process's writes: write what the primary needs of them (an index object)
+        and return what this process's status says of it (O(1) bytes), or None."""
+
+    @abstractmethod
+    def commit(self, facts: SaveFacts, statuses: list[dict]) -> None:
+        """The primary, once every process reported: build the manifest from the statuses and
+        commit it (``ckpt._commit``)."""

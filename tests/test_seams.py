@@ -1,0 +1,82 @@
+"""The seams of issue 33, checked statically on the source of ``ckpt/``:
+
+- the save's steps (``ckpt/_save/``) never probe an object for what it can do (no ``getattr`` /
+  ``hasattr``): a store declares its capabilities (``caps``), a layout's writer has one interface;
+- no module of ``ckpt/_save/`` branches on the chunk layout: the layout is a value chosen once
+  (``ckpt._layout.layout_name``) and used through ``SaveLayout`` / ``ChunkWriter``;
+- ``ckpt/storage/`` holds bytes and engines only: no commit, lease, owner record or chunk layout
+  writer in it (those are ``ckpt/_commit/`` and ``ckpt/_layout/``);
+- the storage interface declares its capabilities in one value.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import pathlib
+
+import ckpt
+from ckpt.storage import Storage, StoreCaps
+
+PACKAGE = pathlib.Path(ckpt.__file__).resolve().parent
+LAYOUT_NAMES = {"FILES", "PACKED", "FilesSave", "PackedSave", "PackWriter", "FilesWriter", "commit_packed"}
+
+
+def _code(part: str):
+    for path in sorted((PACKAGE / part).glob("*.py")):
+        yield path.relative_to(PACKAGE.parent), ast.parse(path.read_text(), str(path))
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """The ids of the string constants that are docstrings (not code)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def test_the_save_never_probes_an_object_for_what_it_can_do():
+    found = [f"{path}:{node.lineno}" for path, tree in _code("_save") for node in ast.walk(tree)
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")]
+    found += [f"{path}:{node.lineno} (__getattr__)" for path, tree in _code("_save") for node in ast.walk(tree)
+              if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"]
+    assert not found, f"getattr/hasattr probes in ckpt/_save/: {found}"
+
+
+def test_no_module_of_the_save_branches_on_the_layout():
+    found = []
+    for path, tree in _code("_save"):
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and node.id in LAYOUT_NAMES:
+                found.append(f"{path}:{node.lineno} names {node.id}")
+            elif isinstance(node, ast.alias) and node.name in LAYOUT_NAMES:
+                found.append(f"{path} imports {node.name}")
+            elif isinstance(node, ast.Constant) and id(node) not in docs and node.value in ("files", "packed"):
+                found.append(f"{path}:{node.lineno} compares with {node.value!r}")
+            elif isinstance(node, ast.Compare):
+                names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
+                    n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+                if any("layout" in n or "packing" in n for n in names):
+                    found.append(f"{path}:{node.lineno} branches on {sorted(names)}")
+    assert not found, "\n".join(found)
+
+
+def test_storage_holds_bytes_and_engines_only():
+    words = ("lease", "owner", "leftover", "stage(", "retire", "PackWriter", "PackedSave", "commit_")
+    found = []
+    for path in sorted((PACKAGE / "storage").glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and any(w.rstrip("(") in node.name.lower() for w in words):
+                found.append(f"{path.name}:{node.lineno} defines {node.name}")
+    assert not found, found
+
+
+def test_the_store_declares_its_capabilities_in_one_value():
+    flags = {name for name, value in inspect.getmembers(Storage) if isinstance(value, bool)}
+    assert not flags, f"capability flags on Storage besides caps: {sorted(flags)}"
+    assert isinstance(Storage.caps, StoreCaps)
