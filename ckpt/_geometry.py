@@ -67,9 +67,16 @@ def chunk_index_of(box: Box, chunk_shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def chunks_overlapping(box: Box, chunk_shape: Sequence[int]) -> list[tuple[int, ...]]:
-    """Indices of every chunk that overlaps `box`, in row-major order."""
+    """Indices of every chunk that overlaps `box`, in row-major order (`count_overlapping` of
+    them: callers planning from a checkpoint's claims check that count against their budget
+    before asking for the list)."""
     ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(box, chunk_shape)]
     return list(itertools.product(*ranges))
+
+
+def count_overlapping(box: Box, chunk_shape: Sequence[int]) -> int:
+    """How many chunks overlap `box` (the length of ``chunks_overlapping``), without listing them."""
+    return math.prod(max(0, -(-b // c) - a // c) for (a, b), c in zip(box, chunk_shape))
 
 
 def flat_chunk_index(index: Sequence[int], grid: Sequence[int]) -> int:

@@ -222,6 +222,7 @@ def read_manifest(root: str) -> dict:
 
 # ---- version 3, the packed layout (section 13) ----------------------------------------------
 
+MAX_MESH_DEVICES = 1 << 20  # 13.4: a larger mesh table is refused
 INDEX_RECORD = np.dtype([("array", "<i4"), ("chunk", "<i8"), ("object", "<i4"),
                          ("offset", "<u8"), ("length", "<u8"), ("crc32c", "<u4")])  # 36 bytes
 
@@ -232,6 +233,18 @@ def _inside(name, what: str) -> str:
     if any(p in ("", ".", "..") or p.startswith(".") or "\\" in p or "\0" in p for p in parts):
         raise FormatError(f"{what} {name!r} is not a path inside the checkpoint")
     return name
+
+
+def _no_link(root: str, name: str) -> str:
+    """The path of `name` below `root`, a regular file reached through no symbolic link (13.8)."""
+    path = root
+    for part in name.split("/"):
+        path = os.path.join(path, part)
+        if os.path.islink(path):
+            raise FormatError(f"{path} is a symbolic link")
+    if not os.path.isfile(path):
+        raise FormatError(f"{path} is missing or not a regular file")
+    return path
 
 
 def _read_range(path: str, size: int, offset: int, length: int) -> bytes:
@@ -245,6 +258,12 @@ def _read_range(path: str, size: int, offset: int, length: int) -> bytes:
         return f.read(length)
 
 
+def _step(length: int, align: int) -> int:
+    """13.2: a chunk of at least `align` bytes starts at a multiple of `align`, a smaller one at a
+    multiple of 64."""
+    return align if length >= align else min(align, 64)
+
+
 class Packed:
     """Section 13: every process's index object, loaded and checked (a reference reader may load
     them all; a reader of a large checkpoint reads only those the lookup rule names), and each
@@ -255,12 +274,20 @@ class Packed:
         if not isinstance(section, dict):
             raise FormatError(f"{root}: a version-3 manifest without a 'packed' section")
         self.root, self.align = root, section["align"]
+        if self.align != 4096:
+            raise FormatError(f"{root}: packed.align is {self.align!r}, not 4096 (13.4)")
         self.meshes = [(list(m["axis_sizes"]), np.frombuffer(m["processes"], "<u4")) for m in section["meshes"]]
-        self.indexes = [self._load(p, ref) for p, ref in enumerate(section["indexes"])]
+        for sizes, procs in self.meshes:
+            if math.prod(sizes) > MAX_MESH_DEVICES or len(procs) != math.prod(sizes) or \
+                    any(int(p) >= len(section["indexes"]) for p in set(procs.tolist())):
+                raise FormatError(f"{root}: mesh {sizes} is larger than {MAX_MESH_DEVICES} devices, or its "
+                                  "table does not name one process of the save per device (13.4)")
+        self.indexes = [self._load(p, ref, len(section["indexes"])) for p, ref in enumerate(section["indexes"])]
         self.stacks: dict = {}
 
-    def _load(self, p: int, ref: dict) -> tuple:
-        """(name, objects [(name, size)], {(array, chunk): (object, offset, length, crc32c)})."""
+    def _load(self, p: int, ref: dict, processes: int) -> tuple:
+        """(name, objects [(name, size)], {(array, chunk): (object, offset, length, crc32c)}),
+        checked by the rules of 13.3."""
         name = _inside(ref["name"], "index object")
         data = _read_file(os.path.join(self.root, name))
         if ref["process"] != p or len(data) != ref["size"] or crc32c(data) != ref["crc32c"]:
@@ -270,11 +297,105 @@ class Packed:
         if not isinstance(doc, dict) or doc.get("format") != "jax-ckpt-index" or doc.get("process") != p:
             raise FormatError(f"{name}: not the jax-ckpt-index object of process {p}")
         objects = [(_inside(o["name"], f"{name}: data object"), o["size"]) for o in doc["objects"]]
+        if len({o for o, _ in objects}) != len(objects) or any(o == "manifest.msgpack" for o, _ in objects):
+            raise FormatError(f"{name}: names a data object twice, or the manifest")
+        if len(doc["chunks"]) % INDEX_RECORD.itemsize:
+            raise FormatError(f"{name}: 'chunks' is not a whole number of records")
         records = np.frombuffer(doc["chunks"], INDEX_RECORD).tolist()
         keys = [(array, chunk) for array, chunk, *_ in records]
         if keys != sorted(set(keys)):
             raise FormatError(f"{name}: records not sorted by (array, chunk), or one recorded twice")
+        for a, c, obj, offset, length, crc in records:
+            if c < 0 or obj >= len(objects):
+                raise FormatError(f"{name}: record ({a}, {c}) names no chunk or no data object")
+            if obj < 0 and (-1 - obj >= processes or -1 - obj == p or (offset, length, crc) != (0, 0, 0)):
+                raise FormatError(f"{name}: record ({a}, {c}) is not a pointer to another process of the save")
+            if obj >= 0 and (offset % _step(length, self.align) or offset + length > objects[obj][1]):
+                raise FormatError(f"{name}: record ({a}, {c}) is not aligned or ends beyond its data object")
         return name, objects, {(a, c): tuple(rest) for a, c, *rest in records}
+
+    def check_structure(self, manifest: dict) -> None:
+        """The rules of 13.8 that hold the checkpoint together before a chunk is read: every chunk
+        placed once; data objects of their sizes, ending at their last chunk, reached through no
+        link, each named by one index; no two places overlapping; pointers and every process's
+        route leading to the place; the manifest's places those of the index."""
+        arrays = {i: (leaf["storage"], leaf.get("sharding"), list(leaf["shape"]), leaf["dtype"])
+                  for i, leaf in enumerate(manifest["leaves"]) if leaf.get("storage", {}).get("type") == "zarr"}
+        names = {i: manifest["leaves"][i]["path"] for i in arrays}
+        for s, stack in enumerate(manifest.get("stacks") or []):
+            arrays[-1 - s] = (stack, None, list(stack["shape"]), stack["dtype"])
+            names[-1 - s] = f"stack {s}"
+        grids = {a: [math.ceil(n / c) for n, c in zip(shape, st["chunk_shape"])] for a, (st, _, shape, _) in arrays.items()}
+        for a, (st, sharding, _, _) in arrays.items():  # 13.4: writers and meshes of the save
+            writer = st.get("writer")  # (nil: no writer recorded)
+            if writer is not None and not (type(writer) is int and 0 <= writer < len(self.indexes)):
+                raise FormatError(f"{names[a]}: writer {writer!r} is not a process of the save")
+            if not (isinstance(sharding, dict) and sharding.get("kind") == "named" and "mesh_processes" in sharding):
+                continue
+            m = sharding["mesh_processes"]  # (present: an int, a mesh of the sharding's axis sizes)
+            if not (type(m) is int and 0 <= m < len(self.meshes)
+                    and list(self.meshes[m][0]) == list(sharding["mesh"]["axis_sizes"])):
+                raise FormatError(f"{names[a]}: mesh_processes {m!r} is not a mesh of the sharding's axis sizes")
+        placed, extents, owners = {}, [], {}
+        index_names = {n for n, _, _ in self.indexes}
+        for p, (iname, objects, records) in enumerate(self.indexes):
+            for oname, size in objects:
+                if oname in owners or oname in index_names:
+                    raise FormatError(f"{oname}: named by two index objects, or an index object")
+                owners[oname] = p
+                path = _no_link(self.root, oname)
+                if os.path.getsize(path) != size:
+                    raise FormatError(f"{path} has {os.path.getsize(path)} bytes, {iname} records {size}")
+                ends = [off + ln for (obj, off, ln, _) in records.values() if obj >= 0 and objects[obj][0] == oname]
+                if not ends or max(ends) != size:
+                    raise FormatError(f"{oname}: holds no chunk, or does not end where its last chunk ends ({iname})")
+            for (a, c), (obj, off, ln, crc) in records.items():
+                if a not in arrays or c >= math.prod(grids[a]):
+                    raise FormatError(f"{iname}: records chunk {c} of array {a}, which the manifest does not have")
+                if obj < 0:
+                    continue
+                st, _, _, dtype = arrays[a]
+                if ln != math.prod(st["chunk_shape"]) * storage_dtype(logical_dtype(dtype))[0].itemsize:
+                    raise FormatError(f"{iname}: chunk {c} of array {a} has the wrong length")
+                if (a, c) in placed:
+                    raise FormatError(f"{iname}: chunk {c} of array {a} is placed twice")
+                placed[(a, c)] = (p, objects[obj][0], off, ln, crc)
+                extents.append((objects[obj][0], off, ln))
+        extents.sort()
+        for (n0, o0, l0), (n1, o1, _) in zip(extents, extents[1:]):
+            if n0 == n1 and o1 < o0 + l0:
+                raise FormatError(f"{n1}: two chunks overlap at byte {o1}")
+        total = sum(math.prod(g) for g in grids.values())
+        if total > len(placed):
+            raise FormatError(f"{self.root}: the manifest's arrays have {total} chunks, the index objects place "
+                              f"{len(placed)}")
+        for p, (iname, _, records) in enumerate(self.indexes):
+            for (a, c), (obj, *_) in records.items():
+                if obj < 0 and placed.get((a, c), (None,))[0] != -1 - obj:
+                    raise FormatError(f"{iname}: chunk {c} of array {a} points to an index that does not place it")
+        for a, (st, sharding, shape, _) in arrays.items():
+            for flat, index in enumerate(np.ndindex(*grids[a])):
+                self._check_chunk(names[a], a, flat, index, st, sharding, shape, placed)
+
+    def _check_chunk(self, what: str, a: int, flat: int, index: tuple, st: dict, sharding, shape: list,
+                     placed: dict) -> None:
+        """One chunk: placed, as the manifest's places say, and in the index of every process a
+        restore's lookup (13.5 rules 1, 2) reads for it."""
+        place = placed.get((a, flat))
+        if place is None:
+            raise FormatError(f"{what}: chunk {list(index)} is placed by no index object")
+        if st.get("places") is not None and list(st["places"][flat]) != list(place[1:]):
+            raise FormatError(f"{what}: chunk {list(index)}: the manifest's place is not the index's")
+        if st.get("writer") is not None:
+            routes = [st["writer"]]
+        elif isinstance(sharding, dict) and sharding.get("kind") == "named" and "mesh_processes" in sharding:
+            routes = self._holders(sharding, shape, st["chunk_shape"], index)
+        else:
+            routes = []
+        for p in routes:
+            if (a, flat) not in self.indexes[p][2]:
+                raise FormatError(f"{what}: chunk {list(index)} is in no index object where section 13.5 says "
+                                  f"({self.indexes[p][0]}, read by the restore of process {p} or of another)")
 
     def _holders(self, sharding: dict, shape: list, chunk_shape: list, index: tuple) -> list:
         """13.4 rule 2: the processes whose devices held the shard containing the chunk."""
@@ -382,6 +503,7 @@ def read_leaves(root: str, check: bool = True) -> list:
     stacks = manifest.get("stacks", []) if manifest["format_version"] >= 2 else []
     if manifest["format_version"] >= PACKED_VERSION:
         packed = Packed(root, manifest)
+        packed.check_structure(manifest)
         return [_value(leaf) if leaf["kind"] in VALUE_KINDS else packed.leaf(i, leaf, stacks, check)
                 for i, leaf in enumerate(manifest["leaves"])]
     checked: set = set()

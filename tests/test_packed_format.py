@@ -220,7 +220,9 @@ def _broken(change):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda d: d.update(align=4000), "align 4000 is not a power of two"),
+    (lambda d: d.update(align=4000), "align 4000 is not 4096"),
+    (lambda d: d.update(align=64), "align 64 is not 4096"),  # (a power of two, but not the format's)
+    (lambda d: d["indexes"][0].update(size=2**31), "index of process 0: size 2147483648 .* at most 1073741824"),
     (lambda d: d.update(align=True), "align True is not"),
     (lambda d: d.update(indexes=[]), "'indexes' is not a non-empty list"),
     (lambda d: d["indexes"].reverse(), "index 0 is not a map for process 0"),
@@ -603,3 +605,107 @@ def test_reference_reader_reads_what_a_packed_save_writes(tmp_path, pack_limit):
     if pack_limit is None:
         (stack,) = [s for s in manifest["stacks"] if s["shape"] == [5, 250_000]]
         assert stack["chunk_shape"] == [4, 250_000]  # two chunks, the second holding one member
+
+
+# ---- issue 36: checks before use, bounded memory, verify on every route --------------------------
+
+GOLDEN_V3 = os.path.join(FORMATS, "golden", "v3", "checkpoint")
+
+
+def _golden_copy(tmp_path):
+    import shutil
+
+    root = str(tmp_path / "golden")
+    shutil.copytree(GOLDEN_V3, root)
+    return root
+
+
+def _verify_json(root):
+    import contextlib
+    import io
+    import json
+
+    from ckpt.cli._main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["verify", root, "--json", "--no-progress"])
+    return rc, (json.loads(out.getvalue()) if out.getvalue().strip() else None), err.getvalue()
+
+
+def test_verify_names_a_pointer_missing_on_another_process_route(tmp_path):
+    """Process 1's index loses its pointer for a chunk process 1 held but process 0 wrote:
+    process 0's restore reads the chunk fine, process 1's would not find it. Verify refuses,
+    naming the leaf, the chunk and process 1's index; the reference reader refuses too."""
+    root = _golden_copy(tmp_path)
+    name = "~index/1"
+    with open(os.path.join(root, name), "rb") as f:
+        doc = msgpack.unpackb(f.read(), raw=False)
+    rows = np.frombuffer(doc["chunks"], INDEX_DTYPE)
+    keep = ~((rows["array"] == 22) & (rows["object"] < 0))  # quant/w_int4, chunk 0: a pointer to 0
+    assert (~keep).sum() == 1
+    doc["chunks"] = rows[keep].tobytes()
+    data = msgpack.packb(doc, use_bin_type=True)
+    with open(os.path.join(root, name), "wb") as f:
+        f.write(data)
+    _reseal(root, lambda d: d["packed"]["indexes"][1].update(size=len(data), crc32c=crc32c.crc32c(data)))
+    import ckpt
+
+    restored = ckpt.restore(root)  # process 0's route: intact
+    assert restored["quant"]["w_int4"].shape == (64, 80)
+    rc, report, _ = _verify_json(root)
+    assert rc == 1 and report["intact"] is False
+    (problem,) = [p for p in report["problems"] if "lacks it" in p["what"]]
+    assert problem["leaf"] == "quant/w_int4" and problem["chunk"] == [0, 0] and problem["file"].endswith("~index/1")
+    with pytest.raises(reference.FormatError, match=r"quant/w_int4: chunk \[0, 0\] .*~index/1"):
+        reference.read_checkpoint(root)
+
+
+def test_verify_refuses_a_longer_data_object_and_a_link_and_accepts_changed_padding(tmp_path):
+    import shutil
+
+    for how in ("longer", "link", "padding"):
+        root = _golden_copy(tmp_path / how)
+        path = os.path.join(root, "~data", "1.0")
+        if how == "longer":
+            with open(path, "ab") as f:
+                f.write(b"\0")
+        elif how == "link":
+            shutil.move(path, path + "-moved")
+            os.symlink("1.0-moved", path)
+        else:  # process 1's chunks: 8192 + 12000 ends the last, 4736 + 768 = 5504 .. 8192 is padding
+            _rewrite(path, lambda d: d.__setitem__(6000, 0x5A))
+        rc, report, _ = _verify_json(root)
+        if how == "padding":
+            assert rc == 0 and report["intact"], report
+            reference.read_checkpoint(root)
+            continue
+        assert rc == 1 and any(p["file"].endswith("~data/1.0") for p in report["problems"]), report
+        with pytest.raises(reference.FormatError, match="1.0"):
+            reference.read_checkpoint(root)
+
+
+def test_a_claim_of_2_40_chunks_is_refused_before_anything_is_planned():
+    from ckpt._restore import plan_leaf_read
+    from ckpt._restore.plan import plan_budget
+
+    with pytest.raises(CheckpointError, match="exceeds the host budget"):
+        plan_leaf_read(0, (2**40,), (1,), 4, [((0, 2**40),)], budget=plan_budget(256 << 20))
+    with pytest.raises(CheckpointError, match="exceeds the host budget"):
+        plan_leaf_read(0, (2**24,), (1,), 4, [((0, 2**24),)], budget=plan_budget(256 << 20))
+    # the plans of a tiny budget: 65,536 chunks within the 64 MiB allowance
+    assert len(plan_leaf_read(0, (65536,), (1,), 4, [((0, 65536),)], budget=plan_budget(4096)).chunks) == 65536
+
+
+def test_chunk_holders_keeps_one_table_per_spec_whatever_the_shapes():
+    """A mesh table shared by leaves of many shapes is sorted once per spec (issue 36: it was
+    copied per (spec, shape)), and the cache holds at most its byte limit."""
+    from ckpt._format import packed
+
+    table = (np.arange(1024 * 1024) % 4).astype(np.uint32)
+    packed._CACHE.clear()
+    packed._cached_bytes[0] = 0
+    for k in range(1, 200):
+        got = chunk_holders((1024, 1024), table, ("x", "y"), (1024 * k, 1024), (k, 1), (3, 5), axis_names=("x", "y"))
+        assert got == (int(table[3 * 1024 + 5]),)
+    assert len(packed._CACHE) == 1 and packed._cached_bytes[0] <= packed._CACHE_BYTES

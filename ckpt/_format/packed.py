@@ -40,6 +40,11 @@ INDEX_DIR = "~index"
 # [A-Za-z0-9_.%~-], none empty or starting with '.', so no name can leave the checkpoint.
 _COMPONENT = re.compile(r"[A-Za-z0-9_%~-][A-Za-z0-9_.%~-]{0,254}")
 _MAX_NAME = 4096
+_RESERVED = frozenset({"manifest.msgpack"})  # (never a data object: its bytes are the manifest's)
+# An index object is at most this large: 36 bytes a record, 16 M records (a process holding
+# 16 M chunks), plus its object list. The manifest's claim of a larger one is refused before
+# anything is read or planned from it (SPEC 13.3).
+MAX_INDEX_BYTES = 1 << 30
 _U64 = 2**64
 
 
@@ -134,9 +139,11 @@ def decode_index(data: bytes, *, where: str, process: int, processes: int, expec
     objects = []
     for k, o in enumerate(objects_doc):
         if not (isinstance(o, dict) and _name_ok(o.get("name")) and _is_int(o.get("size"))
-                and 0 <= o["size"] < 2**63):
+                and 0 <= o["size"] < 2**63 and o["name"] not in _RESERVED):
             raise bad(f"object {k} is not a {{name: path inside the checkpoint, size: int}} map")
         objects.append((o["name"], o["size"]))
+    if len({n for n, _ in objects}) != len(objects):
+        raise bad("names one data object twice")
     if not isinstance(chunks, bytes) or len(chunks) % INDEX_DTYPE.itemsize:
         got = f"{len(chunks)} bytes" if isinstance(chunks, bytes) else type(chunks).__name__
         raise bad(f"'chunks' ({got}) is not a whole number of {INDEX_DTYPE.itemsize}-byte records")
@@ -189,7 +196,9 @@ class PackedLayout:
     meshes: tuple[tuple[tuple[int, ...], np.ndarray], ...]
 
 
-MAX_MESH_DEVICES = 1 << 24  # 16 M devices: far beyond any machine; bounds what a manifest allocates
+# 1 M devices: far beyond any machine (1,024 hosts x 8 devices is 8 K); bounds what a manifest
+# allocates, and what `chunk_holders` sorts (4 MiB a table) for each spec that uses a mesh.
+MAX_MESH_DEVICES = 1 << 20
 
 
 def packed_section(align: int, indexes: Iterable[IndexRef | tuple], meshes: Iterable[tuple]) -> dict:
@@ -215,8 +224,8 @@ def packed_section_check(doc: Any, where: str) -> PackedLayout:
     if not isinstance(doc, dict):
         raise bad("is not a map")
     align, indexes, meshes = doc.get("align"), doc.get("indexes"), doc.get("meshes")
-    if not _is_int(align) or not 1 <= align <= 2**30 or align & (align - 1):
-        raise bad(f"align {align!r} is not a power of two up to 2**30")
+    if align != ALIGN or not _is_int(align):
+        raise bad(f"align {align!r} is not {ALIGN}, the alignment of format version 3")
     if not isinstance(indexes, list) or not indexes:
         raise bad("'indexes' is not a non-empty list")
     refs = []
@@ -226,8 +235,9 @@ def packed_section_check(doc: Any, where: str) -> PackedLayout:
         name, size, crc = ref.get("name"), ref.get("size"), ref.get("crc32c")
         if not _name_ok(name):
             raise bad(f"index of process {p}: name {name!r} is not a path inside the checkpoint")
-        if not (_is_int(size) and 0 <= size < 2**63 and _is_int(crc) and 0 <= crc < 2**32):
-            raise bad(f"index of process {p}: size {size!r} / crc32c {crc!r} are not a size and a 32-bit CRC")
+        if not (_is_int(size) and 0 <= size <= MAX_INDEX_BYTES and _is_int(crc) and 0 <= crc < 2**32):
+            raise bad(f"index of process {p}: size {size!r} / crc32c {crc!r} are not a size of at most "
+                      f"{MAX_INDEX_BYTES} bytes and a 32-bit CRC")
         refs.append(IndexRef(p, name, size, crc))
     if len({r.name for r in refs}) != len(refs):
         raise bad("two processes name the same index object")
@@ -250,38 +260,53 @@ def packed_section_check(doc: Any, where: str) -> PackedLayout:
 
 
 class _Holders:
-    """The processes holding each shard of one (mesh, spec, shape): `cells`, shard grid shape
-    + (devices per shard,), sorted; `shard`, the shard shape."""
+    """The processes holding each shard of one (mesh, spec) whatever the array's shape (shards
+    split dimensions by the spec's axes alone): `cells`, shard grid shape + (devices per shard,),
+    sorted; `parts`, shards per dimension."""
 
-    __slots__ = ("cells", "found", "processes", "shard")
+    __slots__ = ("cells", "found", "parts", "processes")
 
-    def __init__(self, axis_names, axis_sizes, processes, spec, shape):
+    def __init__(self, axis_names, axis_sizes, processes, spec):
         table = np.asarray(processes).reshape(-1)
         if len(axis_names) != len(axis_sizes) or table.size != math.prod(axis_sizes):
             raise CheckpointError(f"mesh {list(axis_names)} {list(axis_sizes)} does not match its "
                                   f"{table.size} device processes")
         pos = {n: i for i, n in enumerate(axis_names)}
         used, parts = [], []
-        for dim, entry in enumerate(normalize_spec(spec, len(shape))):
+        for dim, entry in enumerate(spec):
             axes = spec_axes(entry)
             if any(a not in pos or pos[a] in used for a in axes):
                 raise CheckpointError(f"spec entry {entry!r} of dimension {dim} names an axis the mesh "
                                       f"{list(axis_names)} lacks or another dimension uses")
             used += [pos[a] for a in axes]
-            k = math.prod(axis_sizes[pos[a]] for a in axes)
-            if shape[dim] % k:
-                raise CheckpointError(f"dimension {dim} of size {shape[dim]} is not divisible into {k} shards")
-            parts.append(k)
+            parts.append(math.prod(axis_sizes[pos[a]] for a in axes))
         rest = [i for i in range(len(axis_sizes)) if i not in used]
         grid = table.reshape(tuple(axis_sizes)).transpose(used + rest)
         self.processes = processes  # kept: its id is part of the cache key, so it must stay alive
         self.cells = np.sort(grid.reshape(tuple(parts) + (-1,)), axis=-1)
-        self.shard = tuple(n // k for n, k in zip(shape, parts))
+        self.parts = tuple(parts)
         self.found: dict[tuple[int, ...], tuple[int, ...]] = {}
 
 
+# Every (mesh, table, spec) seen is kept, up to _CACHE_BYTES of tables: a manifest may name many
+# specs over one large mesh (each a sorted copy of its table, at most 4 MiB), so what the cache
+# holds is bounded by bytes, not only by entries.
 _CACHE: dict[tuple, _Holders] = {}
-_CACHE_LIMIT = 1024  # (mesh, table, spec, shape) kept: each holds one process id per mesh position
+_CACHE_BYTES = 64 << 20
+_cached_bytes = [0]
+
+
+def _holders(axis_names, axis_sizes, mesh_processes, spec) -> _Holders:
+    key = (tuple(axis_names), tuple(axis_sizes), id(mesh_processes), spec)
+    h = _CACHE.get(key)
+    if h is None or h.processes is not mesh_processes:
+        h = _Holders(tuple(axis_names), tuple(axis_sizes), mesh_processes, spec)
+        if _cached_bytes[0] + h.cells.nbytes > _CACHE_BYTES:
+            _CACHE.clear()
+            _cached_bytes[0] = 0
+        _CACHE[key] = h
+        _cached_bytes[0] += h.cells.nbytes
+    return h
 
 
 def chunk_holders(axis_sizes: Sequence[int], mesh_processes: np.ndarray, spec: Sequence, shape: Sequence[int],
@@ -292,21 +317,20 @@ def chunk_holders(axis_sizes: Sequence[int], mesh_processes: np.ndarray, spec: S
     the process of each mesh position, row-major over `axis_sizes` (the mesh's axes, named
     `axis_names`). CheckpointError when the spec does not fit or the chunk spans two shards.
 
-    The map shard -> processes is built once per (mesh, table, spec, shape) and cached, keyed by
-    the table's identity: pass the same array each time (``PackedLayout.meshes[m][1]``)."""
-    key = (tuple(axis_names), tuple(axis_sizes), id(mesh_processes),
-           tuple(e if e is None or isinstance(e, str) else tuple(e) for e in spec), tuple(shape))
-    h = _CACHE.get(key)
-    if h is None or h.processes is not mesh_processes:
-        if len(_CACHE) >= _CACHE_LIMIT:
-            _CACHE.clear()
-        h = _CACHE[key] = _Holders(tuple(axis_names), tuple(axis_sizes), mesh_processes, spec, tuple(shape))
+    The map shard -> processes is built once per (mesh, table, spec) and cached, keyed by the
+    table's identity: pass the same array each time (``PackedLayout.meshes[m][1]``)."""
+    norm = tuple(e if e is None or isinstance(e, str) else tuple(e) for e in normalize_spec(spec, len(shape)))
+    h = _holders(axis_names, axis_sizes, mesh_processes, norm)
     cell = []
-    for i, c, n, s in zip(chunk_index, chunk_shape, shape, h.shard):
+    for dim, (i, c, n, k) in enumerate(zip(chunk_index, chunk_shape, shape, h.parts)):
+        if n % k:
+            raise CheckpointError(f"dimension {dim} of size {n} is not divisible into {k} shards")
+        s = n // k
         lo, hi = i * c, min((i + 1) * c, n)
         if lo >= n or lo // s != (hi - 1) // s:
             raise CheckpointError(f"chunk {list(chunk_index)} of chunk shape {list(chunk_shape)} does not lie "
-                                  f"inside one shard (shard shape {list(h.shard)}) of shape {list(shape)}")
+                                  f"inside one shard (shard shape {[n // k for n, k in zip(shape, h.parts)]}) "
+                                  f"of shape {list(shape)}")
         cell.append(lo // s)
     cell = tuple(cell)
     out = h.found.get(cell)

@@ -300,6 +300,12 @@ def _check_storage(storage: Any, shape: tuple[int, ...], logical: str,
     return ZarrStorage(path, chunk_shape, storage_dtype.name, encoding, "crc32c", tuple(sums), writer, places)
 
 
+# Version 3 (SPEC 13.2): chunk offsets in data objects, and how large a data object may be (an
+# offset and length are unsigned 64-bit in an index; a reader's seek takes a signed 64-bit one).
+PLACE_ALIGN, PLACE_SMALL_ALIGN = 4096, 64
+MAX_OBJECT_BYTES = 1 << 62
+
+
 def _check_places(places: Any, chunks: int, chunk_bytes: int) -> tuple:
     """Version 3: the places of an array's chunks recorded in the manifest, or ()."""
     if places is None:
@@ -308,10 +314,14 @@ def _check_places(places: Any, chunks: int, chunk_bytes: int) -> tuple:
         raise _Bad(f"places has {len(places) if isinstance(places, list) else _show(places)} entries, "
                    f"expected one per chunk ({chunks})")
     out = []
+    # (SPEC 13.2: a chunk of at least ALIGN bytes at a multiple of ALIGN, a smaller one of 64)
+    step = PLACE_ALIGN if chunk_bytes >= PLACE_ALIGN else PLACE_SMALL_ALIGN
     for p in places:
         if not (isinstance(p, list) and len(p) == 4 and isinstance(p[0], str) and all(_is_int(x) for x in p[1:])
-                and p[1] >= 0 and p[2] == chunk_bytes and 0 <= p[3] < 2**32):
-            raise _Bad(f"place {_show(p)} is not [data object, offset, {chunk_bytes}, CRC-32C]")
+                and 0 <= p[1] < MAX_OBJECT_BYTES - chunk_bytes and p[1] % step == 0 and p[2] == chunk_bytes
+                and 0 <= p[3] < 2**32):
+            raise _Bad(f"place {_show(p)} is not [data object, offset (a multiple of {step} that the chunk "
+                       f"ends within {MAX_OBJECT_BYTES} bytes), {chunk_bytes}, CRC-32C]")
         check_storage_path(p[0], "data object")
         out.append((p[0], p[1], p[2], p[3]))
     return tuple(out)
@@ -366,10 +376,27 @@ def _check_leaf(rec: Any, tree_path: str, stacks: list[Stack] = (), seen: list |
     return LeafRecord(path, kind, shape, dtype, sharding, storage, None, impl)
 
 
+def _check_chunk_claims(leaves: list[LeafRecord], stacks: list[Stack], layout: Any) -> None:
+    """Version 3: the chunks of arrays without `places` have records in the index objects (36
+    bytes each), so there are at most as many as the index sizes the manifest records can hold;
+    a claim of more (an array of 2**40 chunks) is refused before anything is planned from it."""
+    records = sum(ref.size for ref in layout.indexes) // 36
+    arrays = [(f"leaf {l.path!r}", l.shape, l.zarr) for l in leaves if l.zarr is not None]
+    arrays += [(f"stack {i}", s.shape, s.zarr) for i, s in enumerate(stacks)]
+    total = 0
+    for where, shape, st in arrays:
+        if not st.places:
+            total += math.prod(chunk_grid(shape, st.chunk_shape))
+            if total > records:
+                raise _Bad(f"{where}: the arrays up to this one have {total} chunks without places in the "
+                           f"manifest, more than the {records} records the index objects it names can hold")
+
+
 def _check_packed_refs(leaves: list[LeafRecord], stacks: list[Stack], layout: Any) -> None:
     """Version 3: every `writer` is one of the save's processes, every `mesh_processes` one of the
     manifest's meshes, of the sharding's axis sizes."""
     processes = len(layout.indexes)
+    _check_chunk_claims(leaves, stacks, layout)
     for where, st in [(f"leaf {l.path!r}", l.zarr) for l in leaves if l.zarr is not None] + \
                      [(f"stack {i}", s.zarr) for i, s in enumerate(stacks)]:
         if st.writer is not None and st.writer >= processes:

@@ -72,9 +72,9 @@ class _Once:
         return self._taken
 
 
-# An index object is at most this large: 36 bytes an entry, 16 M entries (a process holding
-# 16 M chunks), plus its object list; a larger one is refused before it is read whole.
-MAX_INDEX_BYTES = 1 << 30
+# A place must end within this many bytes of its object's start: every engine's ranged read
+# takes the offset as a signed 64-bit number (2**63 would overflow in the read, not be refused).
+MAX_OBJECT_BYTES = 1 << 62
 
 
 class PackedChunks(WrapperStorage):
@@ -112,10 +112,7 @@ class PackedChunks(WrapperStorage):
         with self._locks[p]:
             index = self._indexes.get(p)
             if index is None:
-                ref = self.layout.indexes[p]
-                if ref.size > MAX_INDEX_BYTES:
-                    raise CheckpointError(f"{self.inner.where(ref.name)}: the manifest gives the index object of "
-                                          f"process {p} {ref.size} bytes, more than {MAX_INDEX_BYTES}")
+                ref = self.layout.indexes[p]  # (its size checked with the manifest: packed_section_check)
                 data = self.inner.get(ref.name, max_bytes=ref.size)
                 index = decode_index(data, where=self.inner.where(ref.name), process=p,
                                      processes=len(self.layout.indexes), expected_size=ref.size,
@@ -124,6 +121,11 @@ class PackedChunks(WrapperStorage):
                 self.index_bytes_read += len(data)
                 self._indexes[p] = index
         return index
+
+    def index_of(self, p: int) -> PackedIndex:
+        """Process `p`'s index object, loaded and checked (once): CheckpointError, or
+        FileNotFoundError when it is missing (``ckpt verify`` reads every one)."""
+        return self._index(p)
 
     def _first_choice(self, array: int, index: tuple[int, ...]) -> list[int]:
         """The processes whose index objects say where the chunk is, in the order to look."""
@@ -182,6 +184,9 @@ class PackedChunks(WrapperStorage):
         if place[2] != nbytes:
             raise CheckpointError(f"{self.inner.where(place[0])}: the index gives chunk {list(index)} of {path} "
                                   f"{place[2]} bytes, its chunk shape has {nbytes}")
+        if not 0 <= place[1] <= MAX_OBJECT_BYTES - nbytes:
+            raise CheckpointError(f"{self.inner.where(place[0])}: the index places chunk {list(index)} of {path} "
+                                  f"at offset {place[1]}, beyond any data object")
         return place
 
     def read_chunk(self, path: str, index: tuple[int, ...], nbytes: int, into: np.ndarray | None = None) -> np.ndarray:

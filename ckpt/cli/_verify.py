@@ -23,6 +23,7 @@ import numpy as np
 from ckpt._errors import CheckpointError
 from ckpt._format import ARRAY_KINDS, Manifest, ZarrStorage, display_path
 from ckpt._geometry import box_shape, chunk_box, chunk_grid, chunk_key
+from ckpt.cli._render import stack_label
 from ckpt.storage import Storage
 
 ZARR_JSON_LIMIT = 1 << 20  # an array's zarr.json is a few hundred bytes
@@ -193,6 +194,13 @@ def _check_chunk(storage: Storage, task: _ChunkTask) -> str | None:
 
 def _tasks(storage: Storage, manifest: Manifest, report: VerifyReport) -> list[_ChunkTask]:
     tasks = []
+    if manifest.layout is not None:  # version 3: the structure every process relies on, first
+        from ckpt.cli._verify_packed import packed_problems
+
+        found, listable = packed_problems(storage, manifest)
+        report.problems += [Problem(p.leaf, p.chunk, p.file, p.what) for p in found]
+        if not listable:
+            return []
     for i, rec in enumerate(manifest.leaves):
         if rec.kind not in ARRAY_KINDS:
             continue
@@ -220,13 +228,13 @@ def _tasks(storage: Storage, manifest: Manifest, report: VerifyReport) -> list[_
                          box_shape(chunk_box(index, chunk_shape, rec.shape)), dtype, st, flat, storage, report)
             if task is not None:
                 tasks.append(task)
-    members: dict[int, list[str]] = {}
+    members: dict[int, list[tuple[int, str]]] = {}
     for rec in manifest.leaves:
         if rec.stacked is not None:
-            members.setdefault(rec.stacked.stack, []).append(rec.path)
+            members.setdefault(rec.stacked.stack, []).append((rec.stacked.index, rec.path))
     for s, stack in enumerate(manifest.stacks):
         st, names = stack.zarr, members.get(s, [])
-        name = f"stack {s} ({len(names)} leaves: {names[0]} ... {names[-1]})" if names else f"stack {s}"
+        name = stack_label(s, names)
         if manifest.layout is None:
             why, chunks_readable = _array_metadata_problem(storage, st.path, st, list(stack.shape),
                                                            (manifest.zarr_json or {}).get(f"{st.path}/zarr.json"))
@@ -236,7 +244,8 @@ def _tasks(storage: Storage, manifest: Manifest, report: VerifyReport) -> list[_
                 continue
         dtype = np.dtype(st.data_type).newbyteorder("<")
         for flat, index in enumerate(np.ndindex(*chunk_grid(stack.shape, st.chunk_shape))):
-            task = _task((len(manifest.leaves) + s, flat), name, tuple(index), st.path, st.chunk_shape,
+            rows = (index[0] * st.chunk_shape[0], min((index[0] + 1) * st.chunk_shape[0], stack.shape[0]))
+            task = _task((len(manifest.leaves) + s, flat), stack_label(s, names, rows), tuple(index), st.path, st.chunk_shape,
                          box_shape(chunk_box(index, st.chunk_shape, stack.shape)), dtype, st, flat, storage, report)
             if task is not None:
                 tasks.append(task)
