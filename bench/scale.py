@@ -319,16 +319,15 @@ def _storage_class():
             self.store.objects[self._key(key)] = bytes(data)
 
         def exists(self, key: str) -> bool:
+            if not key:
+                self._count("LIST")
+                return bool(self._below(""))
             self._count("HEAD")
             return self._key(key) in self.store.objects
 
         def _below(self, prefix: str) -> list[str]:
             start = self._key(prefix).rstrip("/") + "/"
             return [k for k in self.store.objects if k.startswith(start)]
-
-        def exists_any(self) -> bool:
-            self._count("LIST")
-            return bool(self._below(""))
 
         def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
             start = self._key(prefix).rstrip("/") + "/"
@@ -518,11 +517,11 @@ class _Source:
 
 def save_leaves(tree: str, processes: int, arrays, plan):
     """(tree encoding, Leaf of every leaf with its record, stacks, array specs) as the save's
-    describe / finish_array_records / pack_records / array_specs make them."""
+    describe / finish_array_records / bundle_records / array_specs make them."""
     from ckpt._format import JAX_ARRAY, LeafRecord, storage_paths
     from ckpt._format import dtypes as _dtypes
     from ckpt._geometry import ShardingInfo, fit_spec, normalize_spec
-    from ckpt._save.plan import Leaf, finish_array_records, pack_records
+    from ckpt._save.plan import Leaf, finish_array_records, bundle_records
     from ckpt._layout import array_specs
 
     encoding, described = _tree_leaves(tree)
@@ -534,7 +533,7 @@ def save_leaves(tree: str, processes: int, arrays, plan):
         rec = LeafRecord(path, JAX_ARRAY, tuple(shape), dtype, info.to_record())
         leaves.append(Leaf(rec, source, tuple(a.chunk_shape), _dtypes.dtype_from_name(dtype)))
     finish_array_records(leaves, storage_paths([tuple(path.split("/")) for path, *_ in described]))
-    stacks = pack_records(leaves, plan)
+    stacks = bundle_records(leaves, plan)
     return encoding, leaves, stacks, array_specs(leaves, stacks)
 
 
@@ -698,7 +697,7 @@ def simulate(tree: str, processes: int, *, straggler_s: float = 0.0, coordinatio
     from ckpt._commit import commit_for
     from ckpt._format import MANIFEST_NAME, read_manifest
     from ckpt._options import PACK_OBJECT_BYTES
-    from ckpt._layout import PackedSave, commit_packed
+    from ckpt._layout import ManifestParts, PackedSave, commit_packed
     from ckpt._save.plan import ShardWrite
 
     started = time.monotonic()
@@ -769,7 +768,7 @@ def simulate(tree: str, processes: int, *, straggler_s: float = 0.0, coordinatio
     t0 = time.process_time()
     packing = PackedSave(plan0, arrays, target)
     records, new_stacks, section = packing.manifest_parts(leaves, stacks, statuses, staged0.prefix, specs)
-    commit_packed(primary, staged0, encoding, records, new_stacks, section, overwrite=False)
+    commit_packed(primary, staged0, ManifestParts(encoding, records, new_stacks), section, overwrite=False)
     fig.commit_cpu_s = time.process_time() - t0
     after = store.by_process(0)
     fig.commit_request_kinds = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}

@@ -47,7 +47,7 @@ from ckpt._options import Options, resolve
 from ckpt._orbax import OrbaxLeaf, step_user_metadata
 from ckpt._restore import OrbaxArrays, batch_by_budget, is_orbax, open_layout
 from ckpt._commit import Staged, after_failed_commit, commit_for
-from ckpt._layout import commit_written, group_paths
+from ckpt._layout import ManifestParts, commit_written, group_paths
 from ckpt.storage import open_storage
 
 
@@ -102,8 +102,8 @@ def convert(src: Any, dest: Any, *, overwrite: bool = False, options: Options | 
                 pass
             raise
         try:
-            commit_written(storage, staged, layout.tree, records, specs, overwrite=overwrite, action="convert",
-                           user_metadata=_user_metadata(layout, opts))
+            parts = ManifestParts(layout.tree, records, user_metadata=_user_metadata(layout, opts))
+            commit_written(storage, staged, parts, specs, overwrite=overwrite, action="convert")
         except BaseException as e:
             after_failed_commit(storage, staged, e)
             raise

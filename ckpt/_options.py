@@ -30,6 +30,7 @@ MAX_CHUNK_BYTES = 64 << 20
 # host budget, since it holds two assembly buffers of that size.
 PACK_OBJECT_BYTES = 2 << 30
 LAYOUTS = ("auto", "files", "packed")
+ENGINE_NAMES = ("local", "tensorstore", "fsspec")
 
 # host_budget_bytes="unlimited" (or CKPT_HOST_BUDGET_BYTES=unlimited) resolves to this: more
 # bytes than any host has, so every comparison with it passes.
@@ -161,7 +162,9 @@ class Options:
 
     Every field left at None takes the environment variable named beside it when that is set,
     else the built-in default; both are read when a save, restore, metadata call or manager
-    starts (``resolved()``). Frozen: make variants with ``dataclasses.replace``.
+    starts (``resolved()``). A field given is checked when the Options is made: ValueError (or
+    TypeError for ``storage_options``) naming it. Frozen: make variants with
+    ``dataclasses.replace``.
 
     Attributes:
         engine: ``"local"``, ``"tensorstore"`` or ``"fsspec"``, or a callable
@@ -227,6 +230,27 @@ class Options:
     share_replicas: bool | str | None = None
     layout: str | None = None
     pack_object_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        # Every field given is checked now, naming it: Options(io_concurrency=0) used to fail
+        # only at the first save. (Environment variables are read, and checked, by resolved().)
+        engine = self.engine
+        if not (engine is None or callable(engine) or engine in ENGINE_NAMES):
+            raise ValueError(f"Options.engine: unknown storage engine {engine!r}; engines: {', '.join(ENGINE_NAMES)}, "
+                             "or a callable (location, options) -> Storage")
+        if not isinstance(self.storage_options, Mapping):
+            raise TypeError(f"Options.storage_options must be a dict, got {type(self.storage_options).__name__}")
+        if self.staging_pool is not None and not isinstance(self.staging_pool, bool):
+            raise ValueError(f"Options.staging_pool must be True or False, got {self.staging_pool!r}")
+        for name in ("io_concurrency", "max_inflight_bytes", "max_chunk_bytes", "pack_object_bytes"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        checks = (("host_budget_bytes", _budget), ("share_replicas", _share), ("layout", _layout),
+                  ("pack_limit_bytes", lambda v: _non_negative("pack_limit_bytes", v)),
+                  ("request_timeout_s", lambda v: _seconds("request_timeout_s", v)))
+        for name, check in checks:
+            if getattr(self, name) is not None:
+                check(getattr(self, name))
 
     def resolved(self) -> "Options":
         """A copy with every default filled in (environment variables are read now).

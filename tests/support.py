@@ -417,9 +417,6 @@ class FaultyStorage(WrapperStorage):
     def exists(self, key):
         return self._call("exists", self.where(key), self.inner.exists, key)
 
-    def exists_any(self):
-        return self._call("exists_any", self.url, self.inner.exists_any)
-
     def list_dir(self, prefix=""):
         return self._call("list_dir", self.where(prefix), self.inner.list_dir, prefix)
 

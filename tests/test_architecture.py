@@ -24,7 +24,7 @@ import pathlib
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "ckpt"
-BASE = {"_errors", "_options", "_geometry", "_memory", "_version", "_distributed"}
+BASE = {"_errors", "_options", "_geometry", "_memory", "_version", "_distributed", "_exit"}
 # Bottom to top; a set is one layer of mutually independent parts.
 LAYERS = [
     {"base"},

@@ -281,7 +281,7 @@ def test_plan_splits_reads_over_processes_in_contiguous_device_blocks(run_dir):
 def test_plan_names_every_leaf_that_cannot_be_placed(run_dir):
     path = run_dir / "step_00000002"
     p = run("plan", path, "--mesh", "data=3,model=4", check_rc=1)
-    assert "cannot be placed (2):" in p.stdout
+    assert "cannot be placed (2 leaves of 4 arrays):" in p.stdout
     assert "params/w: dimension 0 of size 64 cannot be split over mesh axis data of size 3" in p.stdout
     assert "opt/mu: dimension 0 of size 64" in p.stdout
     p = run("plan", path, "--mesh", "rows=8", "--json", check_rc=1)

@@ -31,7 +31,7 @@ from ckpt.storage._base import Storage
 from ckpt.storage._fsspec import FsspecStorage
 from ckpt.storage._location import open_storage
 from ckpt._commit import create
-from ckpt._commit.lease import LEASE_NAME, LEASE_TTL_S, Lease
+from ckpt._commit.lease import LEASE_NAME, LEASE_TTL_S, SaverLease
 from ckpt._commit.owners import OWNER_NAME, owner_record
 from ckpt.storage._tensorstore import TensorStoreStorage, shared_context
 from support import (
@@ -211,11 +211,11 @@ def _stale_lease(storage: Storage) -> None:
 def test_a_lost_answer_to_the_lease_write_does_not_make_a_manager_refuse_itself(path, error):
     faults = Faults()
     faults.lose_answer("put_if_absent", error, when=lambda where, args: where.endswith(LEASE_NAME))
-    lease = Lease.acquire(_faulty(path, faults))
+    lease = SaverLease.acquire(_faulty(path, faults))
     try:
         assert json.loads(storage_of(path).get(LEASE_NAME, max_bytes=BIG))["token"] == lease.record["token"]
         with pytest.raises(ckpt.CheckpointError, match=r"another CheckpointManager \(pid"):
-            Lease.acquire(storage_of(path))  # a second one is still refused
+            SaverLease.acquire(storage_of(path))  # a second one is still refused
     finally:
         lease.release()
     assert not storage_of(path).exists(LEASE_NAME)
@@ -259,7 +259,7 @@ def test_exactly_one_of_two_racing_takeovers_wins(path):
 
     def take(i: int) -> None:
         try:
-            results[i] = Lease.acquire(_faulty(path, faults))
+            results[i] = SaverLease.acquire(_faulty(path, faults))
         except BaseException as e:  # noqa: BLE001
             results[i] = e
 
@@ -273,7 +273,7 @@ def test_exactly_one_of_two_racing_takeovers_wins(path):
     gate.release.set()
     for t in threads:
         t.join(30)
-    won = [r for r in results if isinstance(r, Lease)]
+    won = [r for r in results if isinstance(r, SaverLease)]
     lost = [r for r in results if isinstance(r, BaseException)]
     assert len(won) == 1 and len(lost) == 1, results
     winner = won[0]
@@ -286,7 +286,7 @@ def test_a_lost_answer_to_a_takeover_still_takes_over(path):
     _stale_lease(storage_of(path))
     faults = Faults()
     faults.lose_answer("put_if_version", connection_reset)
-    lease = Lease.acquire(_faulty(path, faults))
+    lease = SaverLease.acquire(_faulty(path, faults))
     assert json.loads(storage_of(path).get(LEASE_NAME, max_bytes=BIG))["token"] == lease.record["token"]
     lease.release()
 
@@ -294,7 +294,7 @@ def test_a_lost_answer_to_a_takeover_still_takes_over(path):
 def test_a_lease_taken_over_is_not_renewed_over_the_winner(path):
     """A manager that stalled past the TTL and was taken over does not overwrite the new
     holder's lease when it renews: it learns that it lost it."""
-    first = Lease.acquire(storage_of(path))
+    first = SaverLease.acquire(storage_of(path))
     first._stop.set()  # no background renewals in this test
     theirs = json.dumps({**owner_record(), "token": "winner"}).encode()
     storage_of(path).put(LEASE_NAME, theirs).result()  # (a takeover meanwhile)
@@ -305,7 +305,7 @@ def test_a_lease_taken_over_is_not_renewed_over_the_winner(path):
 
 def test_a_renewal_whose_answer_was_lost_keeps_the_lease(path):
     faults = Faults()
-    lease = Lease.acquire(_faulty(path, faults))
+    lease = SaverLease.acquire(_faulty(path, faults))
     lease._stop.set()
     faults.lose_answer("put_if_version", server_error)
     lease.renew()
@@ -521,7 +521,7 @@ def test_a_server_refusing_compare_and_swap_still_lets_a_lease_be_taken_over_and
 
     refusing = Refusing(storage.inner, faults)
     try:
-        lease = Lease.acquire(refusing)
+        lease = SaverLease.acquire(refusing)
         lease._stop.set()
         assert json.loads(storage_of(path).get(LEASE_NAME, max_bytes=BIG))["token"] == lease.record["token"]
         time.sleep(0.01)

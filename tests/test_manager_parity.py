@@ -200,9 +200,10 @@ def test_sigterm_saves_the_next_step_then_reaches_the_previous_handler(tmp_path,
     assert signal.getsignal(signal.SIGTERM) is recorder  # not watched before the first save
     assert manager.save(0, _tree(0))
     assert signal.getsignal(signal.SIGTERM) is not recorder
+    assert not manager.save(4, _tree(4))
     assert not manager.save(5, _tree(5))
     os.kill(os.getpid(), signal.SIGTERM)
-    assert received == []  # held for the manager
+    assert received == []  # held for the manager: the loop calls it at every step (4, 5)
     assert manager.should_save(6)
     assert manager.save(6, _tree(6))  # off-interval, committed on return
     assert received == [signal.SIGTERM]  # then handed on
@@ -220,6 +221,7 @@ def test_sigterm_no_save_consumed_is_handed_on_at_close(tmp_path, sigterm_record
     received, recorder = sigterm_recorder
     manager = ckpt.CheckpointManager(tmp_path / "run", save_interval_steps=100)
     manager.save(0, _tree(0))
+    assert not manager.reached_preemption(0)  # the loop asks: a notice is held for it
     os.kill(os.getpid(), signal.SIGTERM)
     assert manager.reached_preemption(1) and received == []
     manager.close()
@@ -228,6 +230,7 @@ def test_sigterm_no_save_consumed_is_handed_on_at_close(tmp_path, sigterm_record
     # A second SIGTERM while one is held goes on at once.
     with ckpt.CheckpointManager(tmp_path / "run2", save_interval_steps=100) as manager:
         manager.save(0, _tree(0))
+        assert not manager.reached_preemption(0)
         os.kill(os.getpid(), signal.SIGTERM)
         assert received == [signal.SIGTERM]
         os.kill(os.getpid(), signal.SIGTERM)

@@ -164,6 +164,7 @@ import os, signal, sys
 import numpy as np, ckpt
 manager = ckpt.CheckpointManager(sys.argv[1], save_interval_steps=100)
 manager.save(0, {"w": np.arange(8)})
+assert not manager.reached_preemption(0)  # the loop asks at every step: the notice is held for it
 os.kill(os.getpid(), signal.SIGTERM)
 assert manager.reached_preemption(1)  # the loop is told before it saves step 1, and stops
 manager.close()

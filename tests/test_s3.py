@@ -587,7 +587,7 @@ def _check_after_kill(root, tree_values, checked, seen):
         out = ckpt.restore(f"{root}/over")
         _check_restored(out, tree_values(out["step"]))  # one whole save's tree, never a mix
         seen["over"].add(out["step"])
-    for entry in scan_steps(storage.child("mgr")) if storage.child("mgr").exists_any() else []:
+    for entry in scan_steps(storage.child("mgr")) if storage.child("mgr").exists("") else []:
         path = f"{root}/mgr/{entry.name}"
         if entry.committed:
             _check_restored(ckpt.restore(path), tree_values(entry.step))

@@ -18,7 +18,7 @@ import ckpt
 from ckpt._save.plan import chunk_shape_for
 from ckpt._geometry import box_size
 from ckpt._save.plan import ArrayShards, ShardWrite, plan_save
-from ckpt._save.stage import POOL
+from ckpt._save.host_copy import POOL
 from support import Faults
 
 BUDGET = 64 << 10  # chunks are then capped at 16 KiB

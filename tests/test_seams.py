@@ -80,3 +80,43 @@ def test_the_store_declares_its_capabilities_in_one_value():
     flags = {name for name, value in inspect.getmembers(Storage) if isinstance(value, bool)}
     assert not flags, f"capability flags on Storage besides caps: {sorted(flags)}"
     assert isinstance(Storage.caps, StoreCaps)
+
+
+def test_every_source_restores_through_the_one_skeleton(tmp_path, monkeypatch):
+    """Native checkpoints, Orbax checkpoints and safetensors all run ``restore_tree`` (the target
+    or mesh matched, wants made, the tree rebuilt once, in ckpt/_restore/plan.py)."""
+    import numpy as np
+    import safetensors.numpy
+
+    from ckpt._restore import plan as skeleton
+
+    seen: list[str] = []
+    plain = skeleton.restore_tree
+
+    def spy(tree, records, asked, build, **kwargs):
+        seen.append(type(records[0]).__name__ if records else "?")
+        return plain(tree, records, asked, build, **kwargs)
+
+    monkeypatch.setattr(skeleton, "restore_tree", spy)
+    for module in ("ckpt._restore", "ckpt._restore.orbax_source"):
+        monkeypatch.setattr(f"{module}.restore_tree", spy)
+    value = np.arange(12, dtype=np.float32).reshape(3, 4)
+    ckpt.save(str(tmp_path / "native"), {"w": value})
+    safetensors.numpy.save_file({"w": value}, str(tmp_path / "model.safetensors"))
+    ocp = __import__("pytest").importorskip("orbax.checkpoint")
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        checkpointer.save(str(tmp_path / "orbax"), {"w": value})
+    for where in ("native", "model.safetensors", "orbax"):
+        before = len(seen)
+        out = ckpt.restore(str(tmp_path / where))
+        assert np.array_equal(np.asarray(out["w"]), value), where
+        assert len(seen) == before + 1, f"{where} did not restore through restore_tree"
+
+
+def test_the_shared_restore_uses_only_public_members_of_the_reader():
+    tree = ast.parse((PACKAGE / "_restore" / "shared_source.py").read_text())
+    private = [f"line {n.lineno}: .{n.attr}" for n in ast.walk(tree)
+               if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+               and isinstance(n.value, (ast.Name, ast.Attribute))
+               and (getattr(n.value, "id", None) or getattr(n.value, "attr", "")) in ("planner", "reader")]
+    assert not private, private

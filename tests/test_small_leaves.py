@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 
 import ckpt
 from ckpt._format import records
-from ckpt._save.plan import MAX_STACK_MEMBERS, ArrayShards, PackedWrite, plan_save
+from ckpt._save.plan import MAX_STACK_MEMBERS, ArrayShards, BundledWrite, plan_save
 from ckpt._restore import restore_with_stats
 from ckpt.cli._verify import verify_checkpoint
 from multiproc import Worker, assert_all_succeeded, launch
@@ -259,9 +259,10 @@ def test_damaged_stack_chunk_is_an_error_naming_leaf_chunk_and_file(location, da
         out = ckpt.restore(path, verify=False)
         assert np.argwhere(out["m"][4] != want[4]).tolist() == [[3, 2]]
         assert np.array_equal(out["m"][5], want[5]) and np.array_equal(out["m"][3], want[3])
-    # ckpt verify names the bad chunk of the stack.
+    # ckpt verify names the bad chunk of the stack, and the leaves that chunk holds (not all six).
     report = verify_checkpoint(storage, manifest_of(path))
-    assert [p.chunk for p in report.problems] == [(1, 0, 0)] and "m/0 ... m/5" in report.problems[0].leaf
+    assert [p.chunk for p in report.problems] == [(1, 0, 0)]
+    assert report.problems[0].leaf == "stack 0, members 4-5 (2 leaves: m/4, m/5)", report.problems[0].leaf
 
 
 @pytest.mark.parametrize("how", ["raised", "in-future", "second-chunk", "commit"])
@@ -439,19 +440,19 @@ def test_plan_packs_only_arrays_one_process_holds_whole_and_spreads_them():
     arrays += [_shards(7, (1 << 17,), [(((0, 1 << 17),), everywhere)])]  # 512 KiB: packed, alone
     arrays += [_shards(8, (1 << 18 + 1,), [(((0, 1 << 19),), everywhere)])]  # 2 MiB: not packed
     plan = plan_save(arrays)
-    assert sorted(w.leaf for w in plan.writes if not isinstance(w, PackedWrite)) == [0, 0, 8]
+    assert sorted(w.leaf for w in plan.writes if not isinstance(w, BundledWrite)) == [0, 0, 8]
     assert plan.whole == (7,)
     assert sorted(m for st in plan.stacks for m in st.members) == [1, 2, 3, 4, 5, 6]
     # Writers balance bytes: packed arrays first (every process plans them alike), the 512 KiB
     # one on process 0 and the small ones on process 1; then the 2 MiB array, which its holders
     # place on their least loaded member (process 1) from what they hold alone.
     assert {st.process for st in plan.stacks} == {1}
-    assert [w.process for w in plan.writes if isinstance(w, PackedWrite) and w.array == 7] == [0]
-    assert [w.process for w in plan.writes if not isinstance(w, PackedWrite) and w.leaf == 8] == [1]
+    assert [w.process for w in plan.writes if isinstance(w, BundledWrite) and w.array == 7] == [0]
+    assert [w.process for w in plan.writes if not isinstance(w, BundledWrite) and w.leaf == 8] == [1]
     alone = plan_save(arrays[1:7])
     assert sorted(st.process for st in alone.stacks) == [0, 1]  # replicated arrays alone: spread
     for w in plan.writes:
-        if isinstance(w, PackedWrite):
+        if isinstance(w, BundledWrite):
             for leaf, pieces in w.members:
                 assert all((w.process, dev) in dict(arrays[leaf].holders)[box] for box, dev in pieces)
     assert plan_save(arrays) == plan  # deterministic

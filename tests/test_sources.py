@@ -66,6 +66,6 @@ def test_nothing_readable_gets_the_native_error(tmp_path):
         ckpt.restore(str(tmp_path / "file"))
     (tmp_path / "dir").mkdir()
     (tmp_path / "dir" / "notes.json").write_text(json.dumps({"a": 1}))
-    with pytest.raises(ckpt.CheckpointError, match="not a committed checkpoint"):
+    with pytest.raises(ckpt.CheckpointError, match="is neither a checkpoint .* nor a manager directory"):
         ckpt.metadata(str(tmp_path / "dir"))
     assert os.listdir(tmp_path / "dir") == ["notes.json"]  # nothing written or removed

@@ -6,7 +6,7 @@ import threading
 import numpy as np
 import pytest
 
-from ckpt._save.stage import SaveBudget, StagingAborted, StagingPool
+from ckpt._save.host_copy import SaveBudget, StagingAborted, StagingPool
 
 
 def test_buffers_are_page_aligned_and_reused_once_unreferenced():

@@ -23,7 +23,7 @@ import ckpt
 from ckpt._errors import CheckpointError
 from ckpt._format import ArraySpec
 from ckpt._memory import aligned_empty
-from ckpt.storage._base import Storage
+from ckpt.storage._base import ChunkFiles, LocalDirectory, Storage
 from ckpt.storage._location import ENGINES, open_storage
 from ckpt._commit import Leftover, commit_for
 from ckpt.storage._tensorstore import TensorStoreStorage
@@ -32,17 +32,26 @@ from support import PER_SHARD, Faults, FaultyStorage, Location
 
 PACKAGE = pathlib.Path(ckpt.__file__).resolve().parent
 
-# Every public member of the interface: methods, properties and the capability flags.
+# Every public member of the interface: methods, properties and the capabilities value.
 INTERFACE = sorted(name for name, _ in inspect.getmembers(Storage) if not name.startswith("_"))
+# The optional protocols a capability brings (engines that declare it have them), and the
+# members of one engine's own (versioned writes, packed data objects written in place).
+OPTIONAL = sorted({n for cls in (ChunkFiles, LocalDirectory) for n, _ in inspect.getmembers(cls)
+                   if not n.startswith("_")} | {"get_versioned", "put_if_version", "open_pack", "root"})
 
 
 def test_the_interface_is_what_these_tests_enumerate():
-    assert {"read_chunk_async", "du", "read_range", "size", "caps", "url"} <= set(INTERFACE)
-    # Bytes only: how a checkpoint becomes visible is ckpt._commit's (issue 33).
-    assert not {"stage", "commit", "abort", "retire", "leftovers", "lock_saves", "create"} & set(INTERFACE)
+    """At most 15 members and one capabilities value (issue 33), bytes only."""
+    assert len(INTERFACE) <= 16 and "caps" in INTERFACE, INTERFACE
+    assert {"url", "child", "get", "read_range", "put", "put_if_absent", "delete", "delete_tree", "list_dir",
+            "stat_many"} <= set(INTERFACE)
+    # Bytes only: how a checkpoint becomes visible is ckpt._commit's, how chunks sit in objects
+    # ckpt._layout's (issue 33).
+    assert not {"stage", "commit", "abort", "retire", "leftovers", "lock_saves", "create", "write_chunk",
+                "create_array", "open_pack"} & set(INTERFACE)
 
 
-@pytest.mark.parametrize("member", INTERFACE)
+@pytest.mark.parametrize("member", INTERFACE + OPTIONAL)
 def test_the_wrapper_defines_every_member_of_the_interface(member):
     # Inherited from Storage would mean the base class's version runs over the wrapper (for
     # read_chunk_async: a thread pool instead of the engine's own asynchronous reads).
@@ -75,32 +84,70 @@ def _recording_wrapper(seen: list[str]) -> type:
 
 def _calls(state: dict) -> list[tuple[str, object]]:
     """(member, call on a wrapper) for every member of the interface, in an order that works."""
+    return [
+        ("caps", lambda w: w.caps),
+        ("url", lambda w: w.url), ("resolved_name", lambda w: w.resolved_name),
+        ("where", lambda w: w.where("k")),
+        ("child", lambda w: w.child("sub")), ("parent", lambda w: w.parent()),
+        ("put", lambda w: w.put("d/k", b"abcdef").result()), ("put_if_absent", lambda w: w.put_if_absent("d/k2", b"x")),
+        ("exists", lambda w: w.exists("d/k") and w.exists("")),
+        ("list_dir", lambda w: w.list_dir("d")), ("stat_many", lambda w: w.stat_many(["d/k"])),
+        ("get", lambda w: w.get("d/k", max_bytes=10)), ("size", lambda w: w.size("d/k")),
+        ("read_range", lambda w: w.read_range("d/k", 1, 3)),
+        ("delete", lambda w: w.delete("d/k2")), ("delete_tree", lambda w: w.delete_tree("d")),
+    ]
+
+
+def _optional_calls(state: dict, local: bool) -> list[tuple[str, object]]:
+    """(member, call on a wrapper) for the optional protocols' members an engine declares."""
     spec = ArraySpec((4,), (4,), np.dtype("float32"))
 
     def pin(w):
+        w.put("d/k", b"abcdef").result()
         with w.pin() as pinned:
             assert pinned.get("d/k", max_bytes=10) == b"abcdef"
 
-    return [
-        ("caps", lambda w: w.caps),
-        ("url", lambda w: w.url), ("name", lambda w: w.name), ("resolved_name", lambda w: w.resolved_name),
-        ("where", lambda w: w.where("k")), ("make_dirs", lambda w: w.make_dirs()),
-        ("child", lambda w: w.child("sub")), ("parent", lambda w: w.parent()),
-        ("put", lambda w: w.put("d/k", b"abcdef").result()), ("put_if_absent", lambda w: w.put_if_absent("d/k2", b"x")),
-        ("exists", lambda w: w.exists("d/k")), ("exists_any", lambda w: w.exists_any()),
-        ("list_dir", lambda w: w.list_dir("d")), ("stat_many", lambda w: w.stat_many(["d/k"])),
-        ("du", lambda w: w.du()), ("get", lambda w: w.get("d/k", max_bytes=10)),
-        ("read_exact", lambda w: w.read_exact("d/k", 6)), ("size", lambda w: w.size("d/k")),
-        ("read_range", lambda w: w.read_range("d/k", 1, 3)), 
-        ("pin", pin), ("sync", lambda w: w.sync("d")), ("delete", lambda w: w.delete("d/k2")),
-        ("delete_tree", lambda w: w.delete_tree("d")),
+    def open_pack(w):
+        pack = w.open_pack("d/p")
+        pack.write_at(64, np.arange(4, dtype=np.uint8)).result()
+        pack.close(68).result()
+        assert w.get("d/p", max_bytes=100) == bytes(64) + bytes(range(4))
+
+    chunk_files = [
+        ("read_exact", lambda w: (w.put("d/e", b"abcdef").result(), w.read_exact("d/e", 6))),
         ("create_array", lambda w: w.create_array("a", spec).result()),
         ("put_group", lambda w: w.put_group("").result()),
         ("open_arrays", lambda w: state.update(handle=w.open_arrays({0: ("a", spec)})[0])),
         ("write_chunk", lambda w: w.write_chunk(state["handle"], ((0, 4),), np.arange(4, dtype=np.float32)).result()),
         ("read_chunk", lambda w: w.read_chunk("a", (0,), 16)),
         ("read_chunk_async", lambda w: w.read_chunk_async("a", (0,), 16, state["pool"]).result()),
+        ("get_versioned", lambda w: state.update(version=w.get_versioned("d/e", max_bytes=10)[1])),
+        ("put_if_version", lambda w: w.put_if_version("d/e", b"abcdef", state["version"])),
     ]
+    directory = [("root", lambda w: w.root), ("make_dirs", lambda w: w.make_dirs()), ("pin", pin),
+                 ("sync", lambda w: w.sync("")), ("du", lambda w: w.du()), ("open_pack", open_pack)]
+    return chunk_files + (directory if local else [])
+
+
+@pytest.mark.parametrize("kind", ["memory", "local"])
+def test_every_optional_member_a_wrapper_forwards_reaches_the_inner_storage(kind, tmp_path):
+    """The members of the optional protocols an engine declares in its caps reach it through a
+    wrapper as themselves (the engine's own, never a fallback)."""
+    inner_seen: list[str] = []
+    loc = Location.make(kind, tmp_path)
+    inner = _recording(open_storage(loc("c"), ckpt.Options().resolved()), inner_seen)
+    wrapper = _recording_wrapper([])(inner)
+    state = {"pool": ThreadPoolExecutor(2)}
+    calls = _optional_calls(state, local=inner.caps.renames)
+    assert inner.caps.renames == (kind == "local") and inner.caps.writes_in_place == (kind == "local")
+    try:
+        for member, call in calls:
+            inner_seen.clear()
+            call(wrapper)
+            assert member in inner_seen, f"{member} did not reach the inner storage: {inner_seen}"
+    finally:
+        state["pool"].shutdown()
+        loc.cleanup()
 
 
 @pytest.mark.parametrize("kind", ["memory", "local"])

@@ -26,7 +26,7 @@ LEASE_TTL_S = 60.0
 LEASE_RENEW_S = 15.0
 
 
-class Lease(SaveLock):
+class SaverLease(SaveLock):
     """A manager directory's saver lease on storage without locks: an object naming the owner
     (with a random token), written if absent and renewed every LEASE_RENEW_S seconds.
 
@@ -48,7 +48,7 @@ class Lease(SaveLock):
         return json.dumps(self.record).encode()
 
     @classmethod
-    def acquire(cls, storage: Storage) -> "Lease":
+    def acquire(cls, storage: Storage) -> "SaverLease":
         lease = cls(storage, {**owner_record(), "token": secrets.token_hex(8)})
         lease._claim()
         lease._thread.start()

@@ -6,7 +6,7 @@ owner record, ``.owner``: host, boot id, pid and the process's start time, writt
 ``leftovers`` tells the leftover of a save that died from a save in progress, on this machine or
 another; only the first is ever removed (formats/SPEC.md section 10). A manager directory has one
 saver at a time: a directory lock (``DirLock``), or on storage without locks a renewed lease
-(``lease.Lease``).
+(``lease.SaverLease``).
 """
 
 from __future__ import annotations

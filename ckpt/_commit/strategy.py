@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from ckpt._commit.lease import Lease
+from ckpt._commit.lease import SaverLease
 from ckpt._commit.owners import (
     GENERATION,
     OWN_TEMP,
@@ -285,7 +285,7 @@ class GenerationCommit(CommitStrategy):
     def lock(self) -> SaveLock:
         """A lease object renewed in the background while held and presumed abandoned after
         LEASE_TTL_S without renewal."""
-        return Lease.acquire(self.store)
+        return SaverLease.acquire(self.store)
 
     def retire(self) -> None:
         """The manifest goes first, then the data."""

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import errno
+import re
 from typing import Protocol
 
 import msgpack
 
 from ckpt._errors import CheckpointError
-from ckpt._format.records import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, Manifest, check_seal, is_temp_name
+from ckpt._format.records import (FORMAT_NAME, FORMAT_VERSION, GENERATION_MARK, MANIFEST_NAME, Manifest, check_seal,
+                                  is_temp_name)
 from ckpt._format.validate import manifest_from_doc
 
 # A manifest holds one record per leaf plus arrays of at most INLINE_LIMIT bytes; nothing a
@@ -57,12 +59,11 @@ class Location(Protocol):
     does no I/O of its own."""
 
     url: str
-    name: str
     resolved_name: str
 
     def get(self, key: str, *, max_bytes: int) -> bytes: ...
     def where(self, key: str) -> str: ...
-    def exists_any(self) -> bool: ...
+    def exists(self, key: str) -> bool: ...
 
 
 def find_manifest(storage: Location) -> Manifest | None:
@@ -70,7 +71,7 @@ def find_manifest(storage: Location) -> Manifest | None:
     validated), or None where there is no manifest object (nothing there, a plain file, a
     directory without one): one GET, the first request of every restore. A ``.tmp-`` directory
     is refused whatever it holds (also when reached through a link)."""
-    if is_temp_name(storage.name) or is_temp_name(storage.resolved_name):
+    if is_temp_name(storage.url.rstrip("/").rsplit("/", 1)[-1]) or is_temp_name(storage.resolved_name):
         raise CheckpointError(
             f"{storage.url} is not a committed checkpoint: it is the temporary directory of a save that never committed"
         )
@@ -95,8 +96,33 @@ def read_manifest(storage: Location) -> Manifest:
         raise CheckpointError(f"{storage.url} is not a checkpoint directory") from None
     except FileNotFoundError:
         pass
-    if not storage.exists_any():
+    if not storage.exists(""):
         raise FileNotFoundError(errno.ENOENT, "no checkpoint at this path", storage.url)
+    if not _holds_save_files(storage):
+        # A folder of other files (the wording of `ckpt ls`): nothing suggests a save was here.
+        raise CheckpointError(f"{storage.url} is neither a checkpoint (no {MANIFEST_NAME}) nor a manager directory "
+                              "(no step entries: step_<n>, <n>, <prefix>_<n>)")
     raise CheckpointError(
         f"{storage.url} is not a committed checkpoint: it has no {MANIFEST_NAME}; a save may not have committed"
     )
+
+
+def _holds_save_files(storage: Location) -> bool:
+    """Whether `storage` may hold a save that did not commit: generation prefixes (object
+    stores), the root group's zarr.json, the library's '~' directories (~data, ~index, ~stacks),
+    hidden records (owner, lease), entries named as steps, or nothing at all. True where it
+    cannot be listed (the message then stays the cautious one)."""
+    list_dir = getattr(storage, "list_dir", None)
+    if list_dir is None:
+        return True
+    try:
+        files, dirs = list_dir("")
+    except Exception:  # noqa: BLE001 (any failure: keep the cautious message)
+        return True
+    return (not (files or dirs) or any(d.startswith((GENERATION_MARK, ".", "~")) or _STEP_LIKE.match(d) for d in dirs)
+            or any(f == "zarr.json" or f.startswith(".") for f in files))
+
+
+# Names of step entries (jax-ckpt's and Orbax's, committed or being written): step_00000100, 100,
+# checkpoint_100, with a temporary suffix.
+_STEP_LIKE = re.compile(r"^(?:.+_)?\d+(?:\..*)?$")

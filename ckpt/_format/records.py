@@ -192,6 +192,11 @@ class LeafRecord:
         return self.value
 
 
+# The reserved key of a manifest's user metadata under which a CheckpointManager step keeps its
+# metrics (a converted Orbax step too: `ckpt diff` compares them separately).
+METRICS_KEY = "ckpt.metrics"
+
+
 @dataclass
 class Manifest:
     tree: dict

@@ -57,9 +57,9 @@ def _entry_text(entry: Any) -> str:
     return str(entry)
 
 
-def _entry_record(entry: Any) -> list:
+def _entry_record(entry: Any, components: tuple[str, ...]) -> list:
     if isinstance(entry, jtu.DictKey):
-        return ["key", _plain_key(entry.key)]
+        return ["key", _plain_key(entry.key, components)]
     if isinstance(entry, jtu.GetAttrKey):
         return ["attr", entry.name]
     if isinstance(entry, jtu.SequenceKey):
@@ -69,9 +69,16 @@ def _entry_record(entry: Any) -> list:
     return ["key", str(entry)]
 
 
-def _plain_key(key: Any) -> Any:
-    # Keys msgpack keeps as themselves; anything else (tuples, enums) is stored as text.
-    return key if isinstance(key, (str, int)) and not isinstance(key, bool) else str(key)
+def _plain_key(key: Any, components: tuple[str, ...]) -> Any:
+    """`key`, a dict key of the node at `components`, as the manifest keeps it: strings and
+    integers only (msgpack keeps them as themselves). Any other key (a tuple, a bool, an enum)
+    would come back as its text, a different tree: refused, naming it."""
+    if isinstance(key, (str, int)) and not isinstance(key, bool):
+        return key
+    raise CheckpointError(
+        f"the dict at {display_path(join_path(components))!r} has the key {key!r} ({type(key).__name__}): "
+        f"checkpoints keep dict keys that are strings or integers, and it would come back as the string "
+        f"{str(key)!r}; use a string key")
 
 
 # Types that are never pytree nodes (pytree registrations are by exact type): leaves without asking
@@ -106,7 +113,7 @@ def flatten(tree: Any) -> tuple[dict, list[FlatLeaf]]:
         encoded = [encode(child, components + (_entry_text(e),)) for e, child in children]
         t = type(node)
         if t is dict:
-            return {"kind": DICT, "keys": [_plain_key(e.key) for e, _ in children], "children": encoded}
+            return {"kind": DICT, "keys": [_plain_key(e.key, components) for e, _ in children], "children": encoded}
         if t is list:
             return {"kind": LIST, "children": encoded}
         if t is tuple:
@@ -114,7 +121,7 @@ def flatten(tree: Any) -> tuple[dict, list[FlatLeaf]]:
         return {
             "kind": CUSTOM,
             "type": f"{t.__module__}.{t.__qualname__}",
-            "keys": [_entry_record(e) for e, _ in children],
+            "keys": [_entry_record(e, components) for e, _ in children],
             "children": encoded,
         }
 

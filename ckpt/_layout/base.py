@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt._commit import Staged
-from ckpt._format import ArraySpec, Stack
+from ckpt._format import ArraySpec, LeafRecord, Stack
 from ckpt._geometry import Box
 from ckpt.storage import Storage, StoreCaps
 
@@ -61,6 +61,18 @@ class SaveFacts:
     processes: int
     io_concurrency: int = 8
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class ManifestParts:
+    """What a commit writes into the manifest besides the layout's own section: the encoded
+    tree, every leaf as the manifest records it (storage paths with the staged prefix, chunk
+    checksums filled in), the stacks likewise complete, and the user's metadata."""
+
+    tree: dict
+    records: list[LeafRecord]
+    stacks: list[Stack] = field(default_factory=list)
+    user_metadata: dict | None = None
 
 
 class SaveLayout(ABC):

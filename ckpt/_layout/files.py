@@ -24,13 +24,12 @@ from ckpt._format import (
     ArraySpec,
     LeafRecord,
     Manifest,
-    Stack,
     StackedStorage,
     array_metadata_bytes,
 )
 from ckpt._geometry import Box, chunk_grid, chunk_key
 from ckpt._layout.arrays import group_paths, metadata_share
-from ckpt._layout.base import FILES, ChunkWriter, SaveFacts, SaveLayout
+from ckpt._layout.base import FILES, ChunkWriter, ManifestParts, SaveFacts, SaveLayout
 from ckpt.storage import Storage, StoreCaps
 
 
@@ -154,8 +153,8 @@ class FilesSave(SaveLayout):
         # primary checks what the processes reported (their index objects, read above, and every
         # chunk of every array accounted for) and lists nothing: a listing of the generation
         # grows with its objects (13,816 LIST pages at 1,024 hosts, issue 23).
-        commit_written(facts.storage, facts.staged, facts.tree, records, facts.specs, overwrite=facts.overwrite,
-                       stacks=stacks, user_metadata=facts.user_metadata, check_files=facts.processes == 1)
+        commit_written(facts.storage, facts.staged, ManifestParts(facts.tree, records, stacks, facts.user_metadata),
+                       facts.specs, overwrite=facts.overwrite, check_files=facts.processes == 1)
 
 
 def _all_chunks(got: dict[int, int], shape, chunk_shape, what: str) -> tuple[int, ...]:
@@ -167,27 +166,28 @@ def _all_chunks(got: dict[int, int], shape, chunk_shape, what: str) -> tuple[int
     return tuple(got[k] for k in range(n))
 
 
-def commit_written(storage: Storage, staged: Staged, tree: dict, records: list[LeafRecord],
-                   specs: dict[int, tuple[str, ArraySpec]], *, overwrite: bool, stacks: list[Stack] = (),
-                   user_metadata: dict | None = None, action: str = "save", check_files: bool = True) -> None:
+def commit_written(storage: Storage, staged: Staged, parts: ManifestParts, specs: dict[int, tuple[str, ArraySpec]],
+                   *, overwrite: bool, action: str = "save", check_files: bool = True) -> None:
     """Step 4 of the protocol, the one way anything becomes a checkpoint (``save`` and
     ``convert``): check that every file written is in the staged place, whole; record the
     CRC-32C of every zarr.json; build the manifest at the lowest format version that describes
     it; commit it (``commit_checkpoint``).
 
-    `records`: every leaf as the manifest records it (storage paths with ``staged.prefix``,
-    chunk checksums filled in); `specs`: (storage path without the prefix, spec) of every Zarr
-    array written, as ``array_specs`` gives them; `stacks` likewise complete. `action` names
-    the operation in messages. On failure see ``after_failed_commit``. `check_files` False:
-    the files are not listed (a multi-process save checks what its processes reported instead);
-    the zarr.json checksums are computed all the same.
+    `parts`: the tree, every leaf as the manifest records it (storage paths with
+    ``staged.prefix``, chunk checksums filled in), the stacks likewise complete, the user's
+    metadata; `specs`: (storage path without the prefix, spec) of every Zarr array written, as
+    ``array_specs`` gives them. `action` names the operation in messages. On failure see
+    ``after_failed_commit``. `check_files` False: the files are not listed (a multi-process
+    save checks what its processes reported instead); the zarr.json checksums are computed all
+    the same.
     """
     from ckpt._version import __version__
 
     zarr_json = _check_written(staged, specs, storage.url, action, check_files)
     # A manifest without stacks is version 1, which every reader reads (_format.records).
-    manifest = Manifest(tree, list(records), user_metadata=user_metadata, library_version=__version__,
-                        stacks=list(stacks), format_version=STACKS_VERSION if stacks else 1, zarr_json=zarr_json)
+    manifest = Manifest(parts.tree, list(parts.records), user_metadata=parts.user_metadata,
+                        library_version=__version__, stacks=list(parts.stacks),
+                        format_version=STACKS_VERSION if parts.stacks else 1, zarr_json=zarr_json)
     commit_checkpoint(storage, staged, manifest, overwrite=overwrite)
 
 

@@ -28,7 +28,7 @@ from ckpt._format import (
     packed_section,
 )
 from ckpt._geometry import chunk_grid, chunk_index_of, flat_chunk_index
-from ckpt._layout.base import PACKED, ChunkWriter, SaveFacts, SaveLayout
+from ckpt._layout.base import PACKED, ChunkWriter, ManifestParts, SaveFacts, SaveLayout
 from ckpt._layout.files import check_sizes
 from ckpt._layout.pack_writer import PackWriter
 from ckpt.storage import Storage, StoreCaps
@@ -114,8 +114,8 @@ class PackedSave(SaveLayout):
     def commit(self, facts: SaveFacts, statuses: list[dict]) -> None:
         records, stacks, section = self.manifest_parts(facts.leaves, facts.stacks, statuses, facts.staged.prefix,
                                                        facts.specs)
-        commit_packed(facts.storage, facts.staged, facts.tree, records, stacks, section,
-                      overwrite=facts.overwrite, user_metadata=facts.user_metadata,
+        commit_packed(facts.storage, facts.staged, ManifestParts(facts.tree, records, stacks, facts.user_metadata),
+                      section, overwrite=facts.overwrite,
                       objects=self.own_objects(statuses, facts.process) if facts.processes == 1 else None)
 
     def index_object(self, process: int, prefix: str, sums: dict, specs: dict) -> bytes:
@@ -216,15 +216,16 @@ def _holder_processes(holders, _cache: dict = {}) -> frozenset:  # noqa: B006 (p
     return hit[1]
 
 
-def commit_packed(storage: Storage, staged: Staged, tree: dict, records: list[LeafRecord], stacks: list[Stack],
-                  section: dict, *, overwrite: bool, user_metadata: dict | None = None,
+def commit_packed(storage: Storage, staged: Staged, parts: ManifestParts, section: dict, *, overwrite: bool,
                   objects: dict[str, int] | None = None) -> None:
     """Step 4 for the packed layout: check `objects` (one process: what it wrote; several: None,
-    the primary trusts the statuses it checked), build the version-3 manifest, commit it."""
+    the primary trusts the statuses it checked), build the version-3 manifest (`parts` and the
+    ``packed`` `section`), commit it."""
     from ckpt._version import __version__
 
     if objects:
         check_sizes(staged, objects, f"save to {storage.url}")
-    manifest = Manifest(tree, list(records), user_metadata=user_metadata, library_version=__version__,
-                        stacks=list(stacks), format_version=PACKED_VERSION, packed=section)
+    manifest = Manifest(parts.tree, list(parts.records), user_metadata=parts.user_metadata,
+                        library_version=__version__, stacks=list(parts.stacks), format_version=PACKED_VERSION,
+                        packed=section)
     commit_checkpoint(storage, staged, manifest, overwrite=overwrite)

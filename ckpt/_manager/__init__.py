@@ -54,13 +54,14 @@ from ckpt._manager.items import restore_item
 from ckpt._manager.naming import StepNaming, parse_step, scan_steps, step_dir_name  # noqa: F401 (the door)
 from ckpt._manager.retention import METRICS_KEY, best_step, check_metrics, score, steps_to_delete
 from ckpt._manager.steps import StepDirectory
+from ckpt._exit import EXIT_NOTICE_S, on_exit
 from ckpt._options import Options, resolve
-from ckpt._orbax import step_record
+from ckpt._orbax import step_custom_metadata, step_record
 from ckpt._restore import restore as _restore
 from ckpt._save import SaveHandle, start_save
 from ckpt._commit import SaveLock, commit_for
 from ckpt._errors import NotDurableError
-from ckpt.storage import Storage, open_storage
+from ckpt.storage import Storage, make_dirs, open_storage
 
 __all__ = ["CheckpointManager", "METADATA_LIMIT_BYTES", "steps_to_delete"]
 _as_step = as_step
@@ -70,9 +71,6 @@ _as_step = as_step
 # (committed or reported on stderr), their deletions done and their locks released before the
 # interpreter stops accepting background work (``_finish_at_exit``).
 _unclosed: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
-_exit_hook = threading.Lock()
-_exit_hook_registered = False
-EXIT_NOTICE_S = 5.0  # a save still running this long at exit is announced on stderr
 
 
 def _finish_at_exit() -> None:
@@ -80,20 +78,8 @@ def _finish_at_exit() -> None:
         manager._finish_at_exit()
 
 
-def _register_exit_hook() -> None:
-    """Run ``_finish_at_exit`` when the main thread ends, before the interpreter joins its
-    threads and before concurrent.futures refuses new work (its own hook, registered earlier,
-    runs after ours: these hooks run last registered first). ``atexit`` would run too late: the
-    save's pools are shut down by then and the save fails."""
-    global _exit_hook_registered
-    with _exit_hook:
-        if _exit_hook_registered:
-            return
-        try:
-            threading._register_atexit(_finish_at_exit)  # the hook concurrent.futures uses too
-        except (AttributeError, RuntimeError):  # another Python; or the interpreter is exiting
-            return
-        _exit_hook_registered = True
+# The library's one exit hook (ckpt._exit) runs the managers' part first, then the saves'.
+on_exit(_finish_at_exit, rank=0)
 
 
 class _Pending:
@@ -144,13 +130,14 @@ class CheckpointManager:
         step_prefix: step directories are ``<step_prefix>_<step>``; None: the bare step
             (Orbax's default).
         step_format_fixed_length: zero-pad the step to this many digits; None: no padding.
-        save_on_preemption: at a preemption notice (JAX's preemption sync point; SIGTERM in a
-            single-process job, watched from the first save on, from the main thread), ``save``
-            saves that step whatever the interval and returns once it is committed and the
-            manager's deletions are done; ``reached_preemption(step)`` is then True and the
-            training loop decides to stop. A SIGTERM is not acted on inside ``save``: a Python
-            handler installed before gets it then; the default action (ending the process) is
-            left to the loop, and the previous handler is put back for later signals.
+        save_on_preemption: at a preemption notice (JAX's preemption sync point under
+            ``jax.distributed``; otherwise SIGTERM, watched from the first save on, from the
+            main thread), ``save`` saves that step whatever the interval and returns once it is
+            committed and the manager's deletions are done; ``reached_preemption(step)`` is then
+            True and a loop that asks it decides to stop. A loop that never asks is ended by the
+            SIGTERM as it would have been, once that step is committed; one that calls the
+            manager only at the steps it saves, at once (docs/training.md, "First step and
+            preemption"; ``ckpt/_manager/preemption.py``).
         host_budget_bytes: ``Options.host_budget_bytes`` of every save and restore.
         max_chunk_bytes: ``Options.max_chunk_bytes`` of every save.
         options: engine, concurrency and memory settings for every save and restore
@@ -198,9 +185,15 @@ class CheckpointManager:
         self._background_lock = threading.Lock()  # one deleter at a time
         self._steps = StepDirectory(self.storage, self.naming)
         self._preemption: tuple[int, bool] | None = None  # (step, answer) of the last sync point
-        # SIGTERM is watched from the first save on (a manager that only reads never defers it).
-        self._watch_sigterm = bool(save_on_preemption) and not self.read_only and jax.process_count() == 1
+        # SIGTERM is watched from the first save on (a manager that only reads never defers it),
+        # and never where JAX's preemption service owns it (preemption.py).
+        self._watch_sigterm = (bool(save_on_preemption) and not self.read_only and jax.process_count() == 1
+                               and not _preemption.jax_service())
         self._watching = False
+        # Who will act on a SIGTERM (preemption.py): whether the loop asked reached_preemption
+        # itself, and the last two steps it called the manager with.
+        self._loop_asks = False
+        self._steps_called: tuple[int | None, int | None] = (None, None)
         self.reload()
 
     # ---- queries -------------------------------------------------------------------------
@@ -275,12 +268,12 @@ class CheckpointManager:
             TypeError: `step` is not an integer.
             ValueError: `step` is negative.
         """
-        step = _as_step(step)
+        step = self._called_at(step)
         if self.read_only:
             return False  # its save raises: it never saves
         if self._last_step is not None and step <= self._last_step:
             return False
-        preempted = self.reached_preemption(step)
+        preempted = self._reached(step)
         return self._last_step is None or preempted or step % self.save_interval_steps == 0
 
     def reached_preemption(self, step: int) -> bool:
@@ -304,7 +297,12 @@ class CheckpointManager:
             TypeError: `step` is not an integer.
             ValueError: `step` is negative.
         """
-        step = _as_step(step)
+        step = self._called_at(step)
+        self._loop_asks = True
+        return self._reached(step)
+
+    def _reached(self, step: int) -> bool:
+        """reached_preemption(step), asked by the manager itself (the loop has not asked)."""
         if self._preemption is not None and self._preemption[0] == step:
             return self._preemption[1]
         from jax.experimental import multihost_utils
@@ -316,6 +314,25 @@ class CheckpointManager:
         answer = answer or (self._watching and _preemption.received())
         self._preemption = (step, answer)
         return answer
+
+    def _called_at(self, step: Any) -> int:
+        """`step` checked, and noted as a step the loop called the manager with."""
+        step = _as_step(step)
+        if step != self._steps_called[1]:
+            self._steps_called = (self._steps_called[1], step)
+        return step
+
+    def _listens_for_preemption(self) -> bool:
+        """(preemption.py, from the SIGTERM handler) Whether the loop will see a notice soon:
+        it asked reached_preemption itself, or it calls the manager at every step (the last two
+        steps it called with are consecutive)."""
+        before, last = self._steps_called
+        return self._loop_asks or (before is not None and last == before + 1)
+
+    def _save_in_flight(self) -> threading.Event | None:
+        """(preemption.py) The finishing event of the save in flight, if any."""
+        pending = self._pending
+        return None if pending is None or pending.finished.is_set() else pending.finished
 
     def step_path(self, step: int) -> str:
         """Where `step` is (or would be) stored.
@@ -385,7 +402,7 @@ class CheckpointManager:
         self._check_open()
         if self.read_only:
             raise CheckpointError(f"checkpoint manager for {self.directory} is read-only: it does not save")
-        step = _as_step(step)
+        step = self._called_at(step)
         if step in self._known_steps or not (self.should_save(step) or force):
             return False
         metrics = check_metrics(step, metrics)
@@ -394,14 +411,13 @@ class CheckpointManager:
         stored = snapshot_metadata(step, metadata, metrics)
         self._finish_pending()
         if self._deletes and self._saver_lock is None:
-            self.storage.make_dirs()
+            make_dirs(self.storage)
             self._saver_lock = commit_for(self.storage).lock()
         lost = getattr(self._saver_lock, "lost", None)
         if lost:
             # This manager stalled past its lease's expiry and another one took the directory
             # over (a lease on object stores): saving now would race it.
             raise CheckpointError(f"checkpoint manager for {self.directory} no longer holds its saver lease: {lost}")
-        _register_exit_hook()
         _unclosed.add(self)
         if self._watch_sigterm and not self._watching:
             self._watching = _preemption.watch(self)
@@ -423,7 +439,7 @@ class CheckpointManager:
         self._known_steps.add(step)
         self._last_step = step if self._last_step is None else max(self._last_step, step)
         self._start_background(self._finish_save, pending, name=f"ckpt-manager-step-{step}")
-        preempted = self.reached_preemption(step)
+        preempted = self._reached(step)
         if not self.async_save or preempted:
             self._finish_pending()
         if preempted:
@@ -432,10 +448,15 @@ class CheckpointManager:
             self.wait()
             if self._watching:
                 self._watching = False
-                # The notice is answered: never kill the process here (the loop's own code,
-                # which sees reached_preemption(step), ends it); a Python handler installed
-                # before ours gets it.
-                _preemption.consume()
+                if self._loop_asks:
+                    # The loop's own code, which sees reached_preemption(step), ends the
+                    # process (its exit status, its cleanup): never kill it here. A Python
+                    # handler installed before ours gets the notice.
+                    _preemption.consume()
+                else:
+                    # Nobody asks: the signal does what it would have done (by default the
+                    # process ends), now that the preemption step is committed.
+                    _preemption.hand_on()
         return True
 
     def delete(self, step: int) -> None:
@@ -517,7 +538,8 @@ class CheckpointManager:
             self._saver_lock.release()
         if self._watching:
             self._watching = False
-            if not at_exit and self._preemption is not None and self._preemption[1] and _preemption.received():
+            told = self._loop_asks and self._preemption is not None and self._preemption[1]
+            if not at_exit and told and _preemption.received():
                 # The loop was told (reached_preemption said True) and closes: its decision,
                 # as after a save that answered the notice; never a kill inside close().
                 _preemption.consume()
@@ -560,7 +582,7 @@ class CheckpointManager:
 
     def restore(self, step: int | None = None, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
                 partial: bool = False, verify: bool = True, options: Options | None = None,
-                item: str | None = None, allow_lossy_cast: bool = False,
+                item: str | int | None = None, allow_lossy_cast: bool = False,
                 axis_names: dict[str, str] | None = None) -> Any:
         """``ckpt.restore`` of a step (or of one item of it); retention leaves the step alone
         while it is read.
@@ -575,7 +597,8 @@ class CheckpointManager:
             verify: as for ``ckpt.restore``.
             options: settings of this restore; None: the manager's.
             item: restore only this top-level key of the saved tree (an Orbax step's
-                ``<step>/<item>/``), reading only the chunks its arrays need.
+                ``<step>/<item>/``), reading only the chunks its arrays need: a string, or an
+                integer where the saved keys are (``nnx.state((model, optimizer))``: 0 and 1).
             allow_lossy_cast: as for ``ckpt.restore``: cast to a target dtype even where values
                 change beyond rounding.
             axis_names: as for ``ckpt.restore``: with `mesh`, ``{saved axis name: mesh axis
@@ -585,7 +608,8 @@ class CheckpointManager:
             The restored tree (or item), as ``ckpt.restore`` returns it.
 
         Raises:
-            TypeError: `step` is not an integer (a pytree there: pass it as ``target=``).
+            TypeError: `step` is not an integer (a pytree there: pass it as ``target=``), or
+                `item` is neither a string nor an integer.
             FileNotFoundError: no committed checkpoint in the directory, or `step` is not a
                 committed step (the message lists the committed ones).
             KeyError: the step has no item `item` (the message lists its items).
@@ -611,8 +635,8 @@ class CheckpointManager:
             step: the step; None: the latest committed step.
 
         Returns:
-            The dict given to ``save(..., metadata=)``; {} when none was given (and for Orbax
-            steps).
+            The dict given to ``save(..., metadata=)``; {} when none was given. For an Orbax
+            step, its ``custom_metadata`` (Orbax's ``save(..., custom_metadata=)``).
 
         Raises:
             FileNotFoundError: no committed checkpoint in the directory, or `step` is not a
@@ -621,7 +645,7 @@ class CheckpointManager:
         """
         with self._pinned_step(step) as (location, entry):
             if entry.orbax:
-                return {}
+                return step_custom_metadata(location)
             stored = read_manifest(location).user_metadata
         return {k: v for k, v in (stored or {}).items() if k != METRICS_KEY}
 

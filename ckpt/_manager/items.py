@@ -39,6 +39,15 @@ def item_names(storage: Storage) -> list[str]:
     return child_names(tree) if tree.get("children") else []
 
 
+def _saved_keys(root: dict) -> list:
+    """The top-level keys of a tree encoding as the restored tree has them (integers stay
+    integers), for errors."""
+    keys = root.get("keys")
+    if keys is None:
+        return list(range(len(root.get("children", []))))
+    return [k[1] if isinstance(k, list) else k for k in keys]
+
+
 def _placeholders(manifest, mine: list[int], mesh: jax.sharding.Mesh | None, allow_lossy_cast: bool,
                   axis_names: dict[str, str] | None) -> list[Any]:
     """What each leaf of the item is restored as: with `mesh`, the sharding restore(mesh=) gives
@@ -51,12 +60,15 @@ def _placeholders(manifest, mine: list[int], mesh: jax.sharding.Mesh | None, all
 
 def restore_item(storage: Storage, item: str, target: Any, *, orbax: bool, mesh, partial: bool, verify: bool,
                  options, allow_lossy_cast: bool = False, axis_names: dict[str, str] | None = None) -> Any:
-    """Restore item `item` of the step at `storage` alone (module docstring)."""
-    if not isinstance(item, str):
-        raise TypeError(f"item must be a string, got {type(item).__name__}")
+    """Restore item `item` of the step at `storage` alone (module docstring): a top-level key of
+    the saved tree, a string or an integer (``nnx.state((model, optimizer))`` has keys 0 and 1;
+    a list or tuple, indices), matched as leaf paths are, by its text."""
+    if isinstance(item, bool) or not isinstance(item, (str, int)):
+        raise TypeError(f"item must be a top-level key of the saved tree (a string or an integer), "
+                        f"got {type(item).__name__}")
     if orbax:
-        location = storage.child(item)
-        if not location.exists_any():
+        location = storage.child(str(item))
+        if not location.exists(""):
             raise KeyError(f"{storage.url} has no item {item!r}")
         if kind_of(location) == "item":  # a PyTree item: read alone
             return _restore(location, target, mesh=mesh, partial=partial, verify=verify, options=options,
@@ -76,11 +88,11 @@ def restore_item(storage: Storage, item: str, target: Any, *, orbax: bool, mesh,
     manifest = read_manifest(storage)
     root = manifest.tree
     names = child_names(root) if root.get("children") else []
-    if item not in names:
-        raise KeyError(f"{storage.url} has no item {item!r}; its items: {names}")
-    node = root["children"][names.index(item)]
+    if str(item) not in names:
+        raise KeyError(f"{storage.url} has no item {item!r}; its items: {_saved_keys(root)}")
+    node = root["children"][names.index(str(item))]
     comps = leaf_components(root)
-    mine = [i for i, c in enumerate(comps) if c[0] == item]
+    mine = [i for i, c in enumerate(comps) if c[0] == str(item)]
     values: list[Any] = [None] * len(comps)
     if target is not None:
         if not partial:  # the item must match the target exactly, as a whole restore would

@@ -1,17 +1,31 @@
-"""Preemption notices for the CheckpointManager.
+"""Preemption notices for the CheckpointManager: a notice is never swallowed.
 
-Multi-process jobs use JAX's preemption sync point (``multihost_utils.reached_preemption_sync_point``,
-which needs ``jax.distributed``): it says True at the same step on every process. A single-process
-job has no such service, so the manager watches SIGTERM itself (what schedulers send before they
-kill a job): the handler only records the notice; the manager's next ``save`` saves that step
-whatever the interval and returns once it (and the manager's deletions) are done, with
-``reached_preemption(step)`` True: the training loop's own code decides to stop. The notice is
-then consumed: a Python handler installed before ours gets it (it may end the process its own
-way); the default action (ending the process) is not taken, since killing the process inside
-``save`` would cut off the loop's own ending (and its exit status). The previous handler is put
-back, so a later SIGTERM does what it did before. A notice no save consumed when the last watching
-manager closes is handed on then (the default action included); a second SIGTERM while one is
-held is handed on at once. At interpreter exit nothing is handed on: the process is ending.
+Under ``jax.distributed`` JAX's preemption service takes SIGTERM (its notifier, in C++) and turns
+it into a sync point, ``multihost_utils.reached_preemption_sync_point(step)``, True at the same
+step on every process: the manager only asks it (``reached_preemption``), so a loop asking the
+sync point itself (MaxText) and a loop asking the manager both get the notice. The manager
+installs no handler of its own there: it would take the signal from JAX.
+
+Without it (a single process, no ``jax.distributed``), the manager watches SIGTERM itself (what
+schedulers send before they kill a job), from its first save, from the main thread. The handler
+records the notice and decides who will act on it:
+
+- The loop *listens* when it asked ``reached_preemption`` itself, or called the manager at two
+  consecutive steps, most recently (it calls ``save`` at every step, as documented): the notice
+  is held, and the next ``save`` saves that step whatever the interval and returns once it (and
+  the manager's deletions) are committed. Then, if the loop asks ``reached_preemption``, it gets
+  True and ends on its own (its exit status, its own cleanup): the notice is consumed (a Python
+  handler installed before ours still gets it). If it never asks, the notice is handed on: the
+  signal does what it would have done (by default the process ends, exit status 143).
+- Otherwise nothing will save soon (the loop calls the manager only at the steps it saves): the
+  notice is handed on at once, after any save in flight commits; holding it would only keep the
+  job training past the scheduler's grace period.
+
+The previous handler is put back when the notice is consumed or handed on, so a later SIGTERM
+does what it did before. A second SIGTERM while one is held is handed on at once. A notice no
+save consumed when the last watching manager closes is handed on then, unless the loop was told
+(``reached_preemption`` said True). At interpreter exit nothing is handed on: the process is
+ending.
 """
 
 from __future__ import annotations
@@ -28,14 +42,43 @@ _previous: Any = None  # the handler before ours, restored when the last watcher
 _received = threading.Event()
 
 
+def jax_service() -> bool:
+    """Whether JAX's preemption service runs in this process (``jax.distributed`` is
+    initialized): it then owns SIGTERM."""
+    from jax._src.distributed import global_state
+
+    return getattr(global_state, "preemption_sync_manager", None) is not None
+
+
 def _on_sigterm(signum, frame) -> None:
-    if _received.is_set() or not len(_watchers):
+    watchers = list(_watchers)
+    if _received.is_set() or not watchers:
         # A second notice (the sender insists), or no manager left to save (all were collected
         # without close()): the signal does now what it did before.
         _received.set()
         hand_on()
         return
     _received.set()
+    if not any(m._listens_for_preemption() for m in watchers):
+        _hand_on_after(list(filter(None, (m._save_in_flight() for m in watchers))))
+
+
+def _hand_on_after(saves: list[threading.Event]) -> None:
+    """Hand the notice on once `saves` (the saves in flight) have finished: at once when there
+    are none; else from a thread that sends the signal again then (the handler, seeing a notice
+    already held, hands it on from the main thread, where signal handlers can be changed)."""
+    if not saves:
+        hand_on()
+        return
+
+    def resend() -> None:
+        for finished in saves:
+            finished.wait()
+        with _lock:
+            if _received.is_set():  # not consumed meanwhile by a save that answered it
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=resend, name="ckpt-preemption-hand-on", daemon=True).start()
 
 
 def watch(manager: Any) -> bool:

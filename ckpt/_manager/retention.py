@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ckpt._errors import CheckpointError
-
-METRICS_KEY = "ckpt.metrics"  # reserved key of a manager step's user metadata
+from ckpt._format import METRICS_KEY  # noqa: F401 (reserved key of a manager step's user metadata)
 BEST_MODES = ("min", "max")
 
 

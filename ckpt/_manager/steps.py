@@ -138,7 +138,7 @@ class StepDirectory:
                 if leftover.dead:
                     generations.remove_leftover(leftover)
             return None
-        if not location.exists_any():
+        if not location.exists(""):
             return None
         if name not in self.storage.list_dir("")[1]:
             return "it is not a directory"  # a file (or link) by that name: not ours to remove

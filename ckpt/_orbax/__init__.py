@@ -4,7 +4,17 @@
 from __future__ import annotations
 
 from ckpt._orbax.layout import Item, Layout, OrbaxLeaf, read_json, read_layout
-from ckpt._orbax.steps import PYTREE_METADATA, STEP_METADATA, TMP_MARK, kind_of, scan_orbax_steps, step_of, step_record
+from ckpt._orbax.steps import (
+    PYTREE_METADATA,
+    STEP_METADATA,
+    TMP_MARK,
+    kind_of,
+    scan_orbax_steps,
+    step_custom_metadata,
+    step_of,
+    step_record,
+    step_user_metadata,
+)
 
 # What the layers above use from here.
 __all__ = [
@@ -18,6 +28,8 @@ __all__ = [
     "read_json",
     "read_layout",
     "scan_orbax_steps",
+    "step_custom_metadata",
     "step_of",
     "step_record",
+    "step_user_metadata",
 ]

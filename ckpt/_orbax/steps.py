@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 
 from ckpt._errors import CheckpointError
-from ckpt._format import MANIFEST_NAME
+from ckpt._format import MANIFEST_NAME, METRICS_KEY
 from ckpt.storage import Storage
 
 PYTREE_METADATA = "_METADATA"  # a PyTree item
@@ -70,15 +70,42 @@ def kind_of(storage: Storage) -> str | None:
     return "manager" if any(s.finished for s in steps) else None
 
 
+def _step_doc(storage: Storage) -> dict | None:
+    """The step's ``_CHECKPOINT_METADATA`` (a small JSON file; untrusted input: size-limited),
+    None when it is missing or not a JSON object."""
+    try:
+        doc = json.loads(storage.get(STEP_METADATA, max_bytes=1 << 20))
+    except (OSError, CheckpointError, ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def step_custom_metadata(storage: Storage) -> dict:
+    """The ``custom_metadata`` of the Orbax step at `storage` (what
+    ``CheckpointManager.save(..., custom_metadata=)`` stored: MaxText writes
+    ``{"scan_layers": true}``); {} when it has none. What a jax-ckpt step keeps as the metadata
+    given to ``save(..., metadata=)``."""
+    custom = (_step_doc(storage) or {}).get("custom_metadata")
+    return dict(custom) if isinstance(custom, dict) and all(isinstance(k, str) for k in custom) else {}
+
+
+def step_user_metadata(storage: Storage) -> dict | None:
+    """The user metadata a jax-ckpt step holding what the Orbax step at `storage` holds would
+    have: its custom metadata, and its metrics under METRICS_KEY; None when it has neither.
+    (`convert` writes it; `ckpt inspect` shows it and `ckpt diff` compares it.)"""
+    out = step_custom_metadata(storage)
+    metrics = step_record(storage)[0]
+    if metrics:
+        out[METRICS_KEY] = metrics
+    return out or None
+
+
 def step_record(storage: Storage) -> tuple[dict | None, float | None]:
     """(metrics, commit time in seconds) of the Orbax step at `storage`, from its
     ``_CHECKPOINT_METADATA`` (a small JSON file) and its ``metrics`` item; None for what they
     do not say (untrusted input: size-limited, types checked)."""
-    try:
-        doc = json.loads(storage.get(STEP_METADATA, max_bytes=1 << 20))
-    except (OSError, CheckpointError, ValueError):
-        return None, None
-    if not isinstance(doc, dict):
+    doc = _step_doc(storage)
+    if doc is None:
         return None, None
     metrics = doc.get("metrics")
     if not (isinstance(metrics, dict) and metrics):

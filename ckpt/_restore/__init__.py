@@ -10,11 +10,10 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.tree_util as jtu
 import numpy as np
 
 from ckpt._errors import CheckpointError
-from ckpt._format import ARRAY_KINDS, Manifest, leaf_components, match_target, read_manifest, unflatten
+from ckpt._format import ARRAY_KINDS, Manifest, leaf_components, read_manifest, unflatten
 from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import Box
 from ckpt._memory import gc_paused
@@ -36,9 +35,10 @@ from ckpt._restore.plan import (  # noqa: E402,F401
 from ckpt._restore.packed_source import packed_reads
 from ckpt._restore.read import Reader, RestoreStats
 from ckpt._restore.shared_source import SharedRestore, plan_shared, share_mode
+from ckpt._restore.plan import Asked, restore_tree
 from ckpt._restore.safetensors_source import CODES, INDEX_NAME, META_KEY, SINGLE_NAME  # noqa: E402,F401
 from ckpt._restore.source import foreign_source, open_native, require_manifest  # noqa: F401 (the door)
-from ckpt.storage import Storage, open_storage
+from ckpt.storage import Storage, open_storage, pinned
 
 
 def read_regions(path, leaf_path: str, boxes: list[Box], *, verify: bool = True, options: Options | None = None
@@ -46,8 +46,8 @@ def read_regions(path, leaf_path: str, boxes: list[Box], *, verify: bool = True,
     """The given regions of one saved array as numpy (logical dtype), reading only the chunks
     that overlap them: the reader restore uses, for one leaf."""
     opts = resolve(options)
-    with open_storage(path, opts).pin() as pinned:
-        return _read_regions_pinned(pinned, leaf_path, boxes, verify=verify, options=opts)
+    with pinned(open_storage(path, opts)) as storage:
+        return _read_regions_pinned(storage, leaf_path, boxes, verify=verify, options=opts)
 
 
 def _read_regions_pinned(storage: Storage, leaf_path: str, boxes: list[Box], *, verify: bool, options: Options
@@ -89,39 +89,30 @@ def restore_with_stats(path, target=None, *, mesh=None, partial=False, verify=Tr
     with open_native(path, opts) as (storage, manifest):
         if manifest is None:
             manifest = require_manifest(storage)  # raises: says why there is no checkpoint here
-        return _restore_native(storage, manifest, target, mesh=mesh, partial=partial, verify=verify, options=opts,
-                               allow_lossy_cast=allow_lossy_cast, axis_names=axis_names)
+        asked = Asked(target, mesh, partial, verify, allow_lossy_cast, axis_names)
+        return _restore_native(storage, manifest, asked, opts)
 
 
-def _restore_native(storage: Storage, manifest: Manifest, target=None, *, mesh=None, partial=False, verify=True,
-                    options: Options | None = None, allow_lossy_cast: bool = False,
-                    axis_names: dict[str, str] | None = None) -> tuple[Any, RestoreStats]:
+def _restore_native(storage: Storage, manifest: Manifest, asked: Asked, options: Options | None = None
+                    ) -> tuple[Any, RestoreStats]:
     opts = resolve(options)
-    if target is not None and mesh is not None:
-        raise ValueError("pass either target or mesh, not both")
     storage = packed_reads(storage, manifest)
     leaves = manifest.leaves
-    paths = ["/".join(c) for c in leaf_components(manifest.tree)]
-    if target is None:
-        pairs = [(i, None) for i in range(len(leaves))]
-        wants = (wants_for_mesh(enumerate(leaves), mesh, allow_lossy_cast, axis_names) if mesh is not None
-                 else [_want_from_target(i, leaves[i], None) for i in range(len(leaves))])
-    else:
-        treedef, pairs = match_target(target, paths, partial=partial)
-        wants = [_want_from_target(i, leaves[i], t, allow_lossy_cast) for i, t in pairs]
     stats = RestoreStats()
-    # Leaves replicated on several processes: read once across them, exchanged over collectives
-    # (shared_source.py); first, so that no process enters that agreement after reading the rest.
-    groups, rest = plan_shared([w for w in wants if w is not None], leaves, share_mode(opts), opts.host_budget_bytes)
-    shared = SharedRestore(groups, storage, leaves, verify, stats, opts) if groups else None
-    built = shared.run() if shared is not None else {}
-    reader = Reader(storage, leaves, verify, stats, opts)
-    built.update(reader.run(rest))
-    stats.host_high_water = max(reader.budget.high_water, shared.high_water if shared is not None else 0)
-    values = [built[i] if i in built else leaves[i].py_value() for i, _ in pairs]
-    if target is None:
-        return unflatten(manifest.tree, values), stats
-    return jtu.tree_unflatten(treedef, values), stats
+
+    def build(wants: list) -> dict[int, Any]:
+        # Leaves replicated on several processes: read once across them, exchanged over
+        # collectives (shared_source.py); first, so that no process enters that agreement after
+        # reading the rest.
+        groups, rest = plan_shared(wants, leaves, share_mode(opts), opts.host_budget_bytes)
+        shared = SharedRestore(groups, storage, leaves, asked.verify, stats, opts) if groups else None
+        built = shared.run() if shared is not None else {}
+        reader = Reader(storage, leaves, asked.verify, stats, opts)
+        built.update(reader.run(rest))
+        stats.host_high_water = max(reader.budget.high_water, shared.high_water if shared is not None else 0)
+        return built
+
+    return restore_tree(manifest.tree, leaves, asked, build), stats
 
 
 @gc_paused()
@@ -220,8 +211,8 @@ def restore(path, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
     check_axis_names(axis_names, mesh)
     with open_native(path, opts) as (storage, manifest):
         if manifest is not None:
-            return _restore_native(storage, manifest, target, mesh=mesh, partial=partial, verify=verify, options=opts,
-                                   allow_lossy_cast=allow_lossy_cast, axis_names=axis_names)[0]
+            asked = Asked(target, mesh, partial, verify, allow_lossy_cast, axis_names)
+            return _restore_native(storage, manifest, asked, opts)[0]
     source = foreign_source(path, options, opts)
     if source is not None:
         return source.restore(path, target, mesh=mesh, partial=partial, options=options,

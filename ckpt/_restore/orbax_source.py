@@ -20,13 +20,12 @@ import types
 from typing import Any
 
 import jax
-import jax.tree_util as jtu
 import numpy as np
 import tensorstore as ts
 from jax.experimental.layout import Format
 
 from ckpt._errors import CheckpointError
-from ckpt._format import ARRAY_KINDS, NUMPY_SCALAR, PRNG_KEY, PY_STR, display_path, match_target, unflatten
+from ckpt._format import ARRAY_KINDS, NUMPY_SCALAR, PRNG_KEY, PY_STR, display_path, unflatten
 from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import Box, box_shape, box_to_index, chunk_grid, full_box, index_to_box
 from ckpt._options import Options, resolve
@@ -35,14 +34,13 @@ from ckpt._restore.plan import (
     _key_data_sharding,
     _key_trailing,
     _Want,
-    _want_from_target,
     array_metadata,
     batch_by_budget,
     cast_values,
     held_note,
     logical_shape,
-    wants_for_mesh,
 )
+from ckpt._restore.plan import Asked, restore_tree
 from ckpt.storage import location_text, open_storage
 
 _METADATA_KEYS = (".zarray", ".zattrs", ".zgroup", "zarr.json")
@@ -290,27 +288,14 @@ def restore(path: Any, target: Any = None, *, mesh: jax.sharding.Mesh | None = N
             options: Options | None = None, allow_lossy_cast: bool = False,
             axis_names: dict[str, str] | None = None) -> Any:
     """``ckpt.restore`` of an Orbax checkpoint (see there; `verify` does not apply)."""
-    if target is not None and mesh is not None:
-        raise ValueError("pass either target or mesh, not both")
+    asked = Asked(target, mesh, partial, False, allow_lossy_cast, axis_names)
     opts = resolve(options)
     layout = open_layout(path, opts)
     arrays = OrbaxArrays(layout, opts)
     recs = [l.record for l in layout.leaves]
-    if target is None:
-        pairs = [(i, None) for i in range(len(recs))]
-    else:
-        treedef, pairs = match_target(target, [r.path for r in recs], partial=partial)
-    arrays.open([i for i, _ in pairs])
-    if target is None:
-        wants = (wants_for_mesh([(i, recs[i]) for i, _ in pairs], mesh, allow_lossy_cast, axis_names)
-                 if mesh is not None else [_want_from_target(i, recs[i], None) for i, _ in pairs])
-    else:
-        wants = [_want_from_target(i, recs[i], t, allow_lossy_cast) for i, t in pairs]
-    built = _build(arrays, [w for w in wants if w is not None])
-    values = [built[i] if i in built else recs[i].py_value() for i, _ in pairs]
-    if target is None:
-        return unflatten(layout.tree, values)
-    return jtu.tree_unflatten(treedef, values)
+    # (only the arrays the target chose are opened)
+    return restore_tree(layout.tree, recs, asked, lambda wants: _build(arrays, wants),
+                        paths=[r.path for r in recs], chosen=arrays.open)
 
 
 def metadata(path: Any, options: Options | None = None) -> Any:

@@ -8,19 +8,49 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
+import jax.tree_util as jtu
 import ml_dtypes
 import numpy as np
 from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ckpt._errors import CheckpointError
-from ckpt._format import ARRAY_KINDS, PRNG_KEY, LeafRecord, display_path
+from ckpt._format import ARRAY_KINDS, PRNG_KEY, LeafRecord, display_path, leaf_components, match_target, unflatten
 from ckpt._format import dtypes as _dtypes
-from ckpt._geometry import (Box, ShardingInfo, box_size, chunk_box, chunks_overlapping, mesh_fit_problem, normalize_spec,
-                            spec_axes)
+from ckpt._geometry import (Box, ShardingInfo, box_size, chunk_box, chunks_overlapping, count_overlapping,
+                            mesh_fit_problem, normalize_spec, spec_axes)
+
+# What planning one chunk holds (its ChunkRead, index and box tuples, its place in the regions'
+# lists: measured 340-390 bytes with tracemalloc, about as much again in the reader's maps of
+# pieces and sources; 1 KiB leaves a margin): a plan of more chunks
+# than the host budget holds at this rate is refused before it is built, so a checkpoint that
+# claims 2**40 chunks (format version 3 records them outside the manifest) allocates nothing.
+PLAN_BYTES_PER_CHUNK = 1024
+# Plans of up to this many bytes are made whatever the budget (a budget of a few KiB, which cuts
+# reads into small batches, still plans the 65,536 chunks a manifest of versions 1 and 2 can list
+# in 320 KiB).
+PLAN_ALLOWANCE = 64 << 20
+
+
+def plan_budget(budget: int | None) -> int:
+    """The bytes plans may take under a host budget of `budget` (None: that of Options())."""
+    if budget is None:
+        from ckpt._options import Options
+
+        budget = Options().resolved().host_budget_bytes
+    return max(budget, PLAN_ALLOWANCE)
+
+
+def check_plan_size(chunks: int, budget: int | None, what: str) -> None:
+    """CheckpointError when planning `chunks` chunks would take more than `budget` bytes of
+    host memory (None: ``plan_budget(None)``)."""
+    budget = plan_budget(None) if budget is None else budget
+    if chunks * PLAN_BYTES_PER_CHUNK > budget:
+        raise CheckpointError(f"{what}: reading it takes {chunks} chunks, whose plan alone ({PLAN_BYTES_PER_CHUNK} "
+                              f"bytes a chunk) exceeds the host budget of {budget} bytes")
 
 
 @dataclass(frozen=True)
@@ -60,10 +90,14 @@ def plan_leaf_read(
     chunk_shape: Sequence[int],
     itemsize: int,
     boxes: Iterable[Box],
+    budget: int | None = None,
 ) -> LeafReadPlan:
-    """Unique regions out of `boxes` and the unique chunks to read for them."""
+    """Unique regions out of `boxes` and the unique chunks to read for them; CheckpointError
+    when their chunks are more than `budget` can plan (``check_plan_size``)."""
     regions, chunks = [], {}
-    for box in sorted(set(boxes)):
+    boxes = sorted(set(boxes))
+    check_plan_size(sum(count_overlapping(b, chunk_shape) for b in boxes), budget, f"leaf {leaf}")
+    for box in boxes:
         idx = tuple(chunks_overlapping(box, chunk_shape))
         regions.append(RegionRead(box, idx, box_size(box) * itemsize))
         for i in idx:
@@ -241,10 +275,28 @@ def _concrete(sharding: jax.sharding.Sharding, name: str) -> jax.sharding.Shardi
     if not (isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, jax.sharding.AbstractMesh)):
         return sharding
     mesh = jax.sharding.get_mesh()
-    if mesh.empty or mesh.abstract_mesh != sharding.mesh:
-        raise CheckpointError(f"leaf {name!r}: the target's sharding is on an abstract mesh; restore inside "
-                              "`with jax.set_mesh(mesh)` with that mesh, or give shardings on a concrete mesh")
+    if mesh.empty:
+        raise CheckpointError(f"leaf {name!r}: the target's sharding is on an abstract mesh ({_mesh_text(sharding.mesh)}) "
+                              "and no mesh is set; restore inside `with jax.set_mesh(mesh)` with a mesh of that "
+                              "shape, or give shardings on a concrete mesh")
+    if mesh.abstract_mesh != sharding.mesh:
+        # The abstract state was built under another mesh (e.g. 4x2, restored under 2x4): its
+        # shardings cannot be moved to this one; built again here, they are on it.
+        ours, theirs = _mesh_text(sharding.mesh), _mesh_text(mesh.abstract_mesh)
+        if ours == theirs:  # same names and sizes: the axis types differ
+            ours, theirs = _mesh_text(sharding.mesh, types=True), _mesh_text(mesh.abstract_mesh, types=True)
+        raise CheckpointError(
+            f"leaf {name!r}: the target's sharding is on an abstract mesh ({ours}) that does not match the mesh "
+            f"of the enclosing `jax.set_mesh` ({theirs}); build the abstract target again under this mesh "
+            "(`with jax.set_mesh(mesh): target = jax.eval_shape(...)`, or nnx.eval_shape) and restore into it")
     return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+
+
+def _mesh_text(mesh: jax.sharding.AbstractMesh, *, types: bool = False) -> str:
+    """'data=4, model=2' (with `types`: 'data=4 Explicit, ...')."""
+    kinds = getattr(mesh, "axis_types", None) or (None,) * len(mesh.axis_names)
+    return ", ".join(f"{n}={s}" + (f" {getattr(t, 'name', t)}" if types else "")
+                     for n, s, t in zip(mesh.axis_names, mesh.axis_sizes, kinds))
 
 
 def _want_for_mesh(i: int, rec: LeafRecord, mesh: jax.sharding.Mesh, allow_lossy_cast: bool = False,
@@ -541,3 +593,50 @@ def array_metadata(rec: LeafRecord) -> ArrayMetadata:
         kind=rec.kind,
         storage_path=zarr.path if zarr else f"{stacked.array.zarr.path}[{stacked.index}]" if stacked else None,
     )
+
+
+# ---- the one restore skeleton every source runs (native checkpoints, Orbax, safetensors): the
+# target (or mesh=) matched against the saved tree, each leaf's want, the source's own build of
+# the wanted arrays, the tree rebuilt. A source brings its records and its build; the rest is here.
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a caller of ``restore`` asked for, besides the location and the options."""
+
+    target: Any = None
+    mesh: Any = None
+    partial: bool = False
+    verify: bool = True
+    allow_lossy_cast: bool = False
+    axis_names: dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.target is not None and self.mesh is not None:
+            raise ValueError("pass either target or mesh, not both")
+
+
+def restore_tree(tree: dict, records: Sequence[LeafRecord], asked: Asked,
+                 build: Callable[[list[_Want]], dict[int, Any]], *, paths: list[str] | None = None,
+                 chosen: Callable[[list[int]], None] | None = None) -> Any:
+    """The saved `tree` (its leaves `records`, by index) restored as `asked`: `build(wants)` gives
+    the value of every wanted array leaf by index (the source's reader); other leaves are their
+    recorded values. `paths`: the leaves' key paths as targets match them (default: from `tree`);
+    `chosen(indices)`: told which leaves the target chose, before any want is made."""
+    if paths is None:
+        paths = ["/".join(c) for c in leaf_components(tree)]
+    if asked.target is None:
+        pairs = [(i, None) for i in range(len(records))]
+        treedef = None
+    else:
+        treedef, pairs = match_target(asked.target, paths, partial=asked.partial)
+    if chosen is not None:
+        chosen([i for i, _ in pairs])
+    if asked.target is None and asked.mesh is not None:
+        wants = wants_for_mesh([(i, records[i]) for i, _ in pairs], asked.mesh, asked.allow_lossy_cast,
+                               asked.axis_names)
+    else:
+        wants = [_want_from_target(i, records[i], t, asked.allow_lossy_cast) for i, t in pairs]
+    built = build([w for w in wants if w is not None])
+    values = [built[i] if i in built else records[i].py_value() for i, _ in pairs]
+    return unflatten(tree, values) if treedef is None else jtu.tree_unflatten(treedef, values)

@@ -45,7 +45,7 @@ from ckpt._geometry import (
 from ckpt._memory import PAGE, ReadBuffers, aligned_empty
 from ckpt._options import Options
 from ckpt._restore.place import BATCH_PUT_MAX_BYTES, HostBudget, _Build, _Lease, _Piece, _split, _Unit
-from ckpt._restore.plan import LeafReadPlan, _key_data_sharding, _Want, cast_values, held_note, plan_leaf_read
+from ckpt._restore.plan import PLAN_BYTES_PER_CHUNK, LeafReadPlan, plan_budget, _key_data_sharding, _Want, cast_values, held_note, plan_leaf_read
 from ckpt.storage import Done, Storage, StoreCaps
 
 
@@ -97,7 +97,10 @@ class Reader:
         self.caps = storage.caps if storage is not None else StoreCaps()  # (None: a planner only)
         self.buffers = ReadBuffers(self.budget) if self.caps.reads_into_buffers else None
         self._plans: dict[tuple, LeafReadPlan] = {}
+        self._planned = 0  # chunks in self._plans, bounded by the budget (plan.check_plan_size)
         self._bounds: dict[int, Box] = {}  # id(a template's regions) -> their bounding box (_groups)
+        self.wants: list[_Want] = []
+        self._sources: dict = {}
 
     def plan(self, want: _Want) -> LeafReadPlan:
         rec = self.leaves[want.index]
@@ -115,7 +118,12 @@ class Reader:
             else:
                 boxes = [index_to_box(idx, rec.shape)
                          for idx in sharding.addressable_devices_indices_map(rec.shape).values()]
-            template = self._plans[key] = plan_leaf_read(want.index, rec.shape, rec.chunk_shape, itemsize, boxes)
+            # (the plans a restore keeps, all together, are bounded by the budget: what each
+            # leaf's plan is left of it)
+            template = plan_leaf_read(want.index, rec.shape, rec.chunk_shape, itemsize, boxes,
+                                      budget=plan_budget(self.options.host_budget_bytes) - self._planned * PLAN_BYTES_PER_CHUNK)
+            self._plans[key] = template
+            self._planned += len(template.chunks)
         if template.leaf == want.index:
             return template
         plan = LeafReadPlan(want.index, template.regions, template.chunks)
@@ -147,6 +155,12 @@ class Reader:
     def _shape_of(self, key: tuple):
         rec = self._sources[key][0]
         return rec.shape if key[0] == "z" else rec.stacked.array.shape
+
+    def sources_of(self, k: int, rec: LeafRecord, box: Box) -> tuple[_Piece, ...]:
+        """The sources (chunks, stack chunks, inline data) covering `box` of leaf `rec`, the
+        wanted leaf number `k`: what a planner that reads nothing itself (the shared restore)
+        splits among the processes."""
+        return self._pieces(k, rec, box)
 
     def _pieces(self, k: int, rec: LeafRecord, box: Box) -> tuple[_Piece, ...]:
         if rec.zarr is not None:

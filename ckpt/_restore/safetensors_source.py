@@ -31,7 +31,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
-import jax.tree_util as jtu
 import numpy as np
 
 from ckpt._errors import CheckpointError
@@ -43,15 +42,13 @@ from ckpt._format import (
     LeafRecord,
     ZarrStorage,
     check_sharding,
-    leaf_components,
-    match_target,
     unflatten,
 )
 from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import Box, box_shape, chunk_box, chunk_grid, index_to_box
 from ckpt._memory import aligned_empty
 from ckpt._options import Options, resolve
-from ckpt.storage import Storage, StoreCaps, location_text, open_storage
+from ckpt.storage import Storage, StoreCaps, location_text, open_storage, pinned
 
 # safetensors dtype codes and the numpy/ml_dtypes names they are (byte-sized types only: the
 # packed 4- and 6-bit types F4, F6_E2M3, F6_E3M2 are refused).
@@ -94,7 +91,7 @@ class RangeReader:
 
     def __init__(self, storage: Storage):
         self._pin = contextlib.ExitStack()
-        self.storage = self._pin.enter_context(storage.pin())
+        self.storage = self._pin.enter_context(pinned(storage))
         self.bytes_read = 0
         self.reads = 0
         self._lock = threading.Lock()
@@ -466,38 +463,30 @@ def restore_with_stats(location: Any, target: Any = None, *, mesh: jax.sharding.
                        axis_names: dict[str, str] | None = None):
     """``ckpt.restore`` of safetensors (see ``restore``); also returns the RestoreStats and the
     RangeReader's byte count."""
-    from ckpt._restore.plan import _want_from_target, wants_for_mesh
     from ckpt._restore.read import Reader, RestoreStats
+    from ckpt._restore.plan import Asked, restore_tree
 
-    if target is not None and mesh is not None:
-        raise ValueError("pass either target or mesh, not both")
+    asked = Asked(target, mesh, partial, False, allow_lossy_cast, axis_names)
     opts = resolve(options)
     tset = open_tensors(location, opts)
+    stats = RestoreStats()
     try:
         leaves = [_record(i, t) for i, t in enumerate(tset.tensors)]
         tree = tree_of([t.name for t in tset.tensors], tset.where)
-        paths = ["/".join(c) for c in leaf_components(tree)]
-        if target is None:
-            pairs = [(i, None) for i in range(len(leaves))]
-            wants = (wants_for_mesh(enumerate(leaves), mesh, allow_lossy_cast, axis_names) if mesh is not None
-                     else [_want_from_target(i, r, None) for i, r in enumerate(leaves)])
-        else:
-            treedef, pairs = match_target(target, paths, partial=partial)
-            wants = [_want_from_target(i, leaves[i], t, allow_lossy_cast) for i, t in pairs]
-        wants = [w for w in wants if w is not None]
-        for w in wants:
-            rec = leaves[w.index]
-            if rec.zarr is not None:
-                chunks = _chunk_shape(rec.shape, _boxes(w, rec))
-                # No checksums in safetensors (the reader is told not to verify).
-                rec.storage = replace(rec.zarr, chunk_shape=chunks,
-                                      chunk_checksums=(0,) * math.prod(chunk_grid(rec.shape, chunks)))
-        stats = RestoreStats()
-        built = Reader(_ChunkSource(tset, leaves), leaves, False, stats, opts).run(wants)
+
+        def build(wants: list) -> dict[int, Any]:
+            for w in wants:
+                rec = leaves[w.index]
+                if rec.zarr is not None:
+                    chunks = _chunk_shape(rec.shape, _boxes(w, rec))
+                    # No checksums in safetensors (the reader is told not to verify).
+                    rec.storage = replace(rec.zarr, chunk_shape=chunks,
+                                          chunk_checksums=(0,) * math.prod(chunk_grid(rec.shape, chunks)))
+            return Reader(_ChunkSource(tset, leaves), leaves, False, stats, opts).run(wants)
+
+        result = restore_tree(tree, leaves, asked, build)
     finally:
         tset.reader.close()
-    values = [built[i] for i, _ in pairs]
-    result = unflatten(tree, values) if target is None else jtu.tree_unflatten(treedef, values)
     return result, stats, tset.reader.bytes_read
 
 

@@ -272,7 +272,7 @@ def _my_reads(group: _Group, j: int, leaves: list[LeafRecord], me: int, planner:
                 shard = _box_in(w, rec, group, slot)
                 box = tuple((o + a, o + b) for (o, _), (a, b) in zip(shard, p.rel))
                 itemsize = np.dtype(w.dtype).itemsize
-                for src in planner._pieces(p.k, rec, box):
+                for src in planner.sources_of(p.k, rec, box):
                     part = intersect(src.box, box)
                     if part is not None:
                         sources.setdefault(src.key, []).append((slot, p, box, part, box_size(part) * itemsize))
@@ -312,7 +312,6 @@ class SharedRestore:
         self.verify, self.stats, self.options = verify, stats, options
         self.me = jax.process_index()
         self.planner = Reader(None, leaves, False, RestoreStats(), options)  # names sources only
-        self.planner.wants, self.planner._sources = [], {}
         self.high_water = 0
         self._held = 0
         self._read: dict = {}  # leaf path -> bytes this process read of it

@@ -18,7 +18,7 @@ from ckpt._options import Options
 from ckpt._orbax import PYTREE_METADATA, STEP_METADATA, TMP_MARK, step_of
 from ckpt._restore import orbax_source, safetensors_source
 from ckpt._restore.packed_source import packed_reads
-from ckpt.storage import Storage, open_storage
+from ckpt.storage import Storage, open_storage, pinned
 
 
 class Source(Protocol):
@@ -38,18 +38,18 @@ FOREIGN: tuple[Source, ...] = (safetensors_source.SOURCE, orbax_source.SOURCE)
 def open_native(path: Any, options: Options) -> Iterator[tuple[Storage, Manifest | None]]:
     """(the location pinned, its manifest), or (the location, None) where it holds no manifest.
     Pinned: the manifest and every chunk come from the checkpoint that was at `path` when it was
-    opened, even if an overwrite replaces it meanwhile (``Storage.pin``): never a mix of two."""
+    opened, even if an overwrite replaces it meanwhile (``ckpt.storage.pinned``): never a mix of two."""
     storage = open_storage(path, options)
     with contextlib.ExitStack() as stack:
         try:
-            pinned = stack.enter_context(storage.pin())
+            reading = stack.enter_context(pinned(storage))
         except (FileNotFoundError, NotADirectoryError):  # no directory there: no manifest either
-            pinned = None
-        if pinned is None:
+            reading = None
+        if reading is None:
             yield storage, None
         else:
-            manifest = find_manifest(pinned)
-            yield packed_reads(pinned, manifest), manifest
+            manifest = find_manifest(reading)
+            yield packed_reads(reading, manifest), manifest
 
 
 def foreign_source(path: Any, options: Options | None, resolved: Options) -> Source | None:

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import atexit
 
-# Imported here so that its exit hook (which stops the shared I/O pools) is registered before
-# ours: threading runs these hooks last registered first, so pending saves finish first.
-import concurrent.futures.thread  # noqa: F401
 import dataclasses
 import hashlib
 import logging
@@ -25,6 +22,7 @@ import msgpack
 
 from ckpt._errors import CheckpointError
 from ckpt._format import flatten, storage_paths
+from ckpt._exit import EXIT_NOTICE_S, on_exit
 from ckpt._memory import gc_paused
 from ckpt._options import Options, resolve, save_chunk_cap
 
@@ -35,14 +33,14 @@ from ckpt._save.plan import (
     array_shards,
     describe,
     finish_array_records,
-    pack_records,
+    bundle_records,
     plan_save,
 )
-from ckpt._save.stage import (
+from ckpt._save.host_copy import (
     SaveBudget,
     StagingAborted,
     release_host_memory,  # noqa: F401 (the door)
-    stage,
+    copy_to_host,
 )
 from ckpt._save.job import Cancel, SaveJob, describe_error
 from ckpt._save.write import END
@@ -52,8 +50,6 @@ from ckpt.storage import open_storage
 
 _log = logging.getLogger("ckpt")
 
-# Seconds the interpreter's exit waits for pending saves before it says so on stderr.
-EXIT_NOTICE_S = 2.0
 
 
 class SaveHandle:
@@ -255,28 +251,41 @@ def _exit_status() -> None:
         os._exit(1)
 
 
+# The library's one exit hook (ckpt._exit): the saves' part runs after the managers'.
+on_exit(_finish_at_exit, rank=1)
 try:
-    # The hook concurrent.futures registers too (imported above, so ours runs before it).
-    threading._register_atexit(_finish_at_exit)
     atexit.register(_exit_status)
-except (AttributeError, RuntimeError):  # another Python; or imported while the interpreter exits
+except RuntimeError:  # imported while the interpreter exits
     pass
 
 
-def _fingerprint(final: str, overwrite: bool, tree: dict, leaves: list[Leaf], plan: SavePlan,
-                 layout: str) -> bytes:
+@dataclasses.dataclass
+class _Planned:
+    """What this process planned of a save (``_plan``)."""
+
+    encoding: dict  # the encoded tree
+    leaves: list[Leaf]
+    shards: list
+    plan: SavePlan  # this process's writes only: the job's plan is never built (issue 23)
+    stacks: list
+    layout: str
+
+
+def _fingerprint(final: str, overwrite: bool, planned: _Planned) -> bytes:
     """A hash of what every process must agree on: the inputs of the plan (tree, shapes, dtypes,
-    shardings, chunk shapes, path), and the packing of small arrays every process computes alike
+    shardings, chunk shapes, path), and the bundling of small arrays every process computes alike
     (O(leaves)). Never the writes: each process plans only its own (plan_save's `process`)."""
+    leaves, plan = planned.leaves, planned.plan
     view = [
         [l.record.path, l.record.kind, l.record.shape, l.record.dtype, l.record.sharding,
          type(l.record.storage).__name__, l.chunk_shape]
         for l in leaves
     ]
-    # Which leaves are packed, and where, follows from shardings and device placement; every
+    # Which leaves are bundled, and where, follows from shardings and device placement; every
     # process must have come to the same layout.
-    packing = [plan.whole, [(st.members, st.process) for st in plan.stacks]]
-    return hashlib.sha256(msgpack.packb([final, overwrite, tree, view, packing, layout], use_bin_type=True)).digest()
+    bundling = [plan.whole, [(st.members, st.process) for st in plan.stacks]]
+    return hashlib.sha256(msgpack.packb([final, overwrite, planned.encoding, view, bundling, planned.layout],
+                                        use_bin_type=True)).digest()
 
 
 def _check_fingerprints(views: list[dict]) -> None:
@@ -377,58 +386,27 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
     save_id = coord.new_save_id()
     try:
         try:
-            encoding, flat = flatten(tree)
-            leaves = [describe(l, coord.process_count, cap) for l in flat]
-            finish_array_records(leaves, storage_paths([l.components for l in flat]))
-            # (packed chunks stay within the cap too)
-            # This process's writes only: the job's plan is never built (issue 23).
-            shards = array_shards(leaves)
-            plan = plan_save(shards, pack_limit=min(opts.pack_limit_bytes, cap),
-                             stack_chunk_bytes=min(STACK_CHUNK_BYTES, cap), process=coord.process_index)
-            stacks = pack_records(leaves, plan)
-            my_writes = plan.writes
-            layout = layout_name(opts.layout, coord.process_count)
-            view, own_error = {"plan": _fingerprint(final, overwrite, encoding, leaves, plan, layout)}, None
+            planned = _plan(tree, opts, cap, coord)
+            view, own_error = {"plan": _fingerprint(final, overwrite, planned)}, None
         except Exception as e:  # the others learn of it now instead of waiting for this process
             view, own_error = {"error": f"{type(e).__name__}: {e}"}, e
         plan_s = time.perf_counter() - started
-        # The views go to the primary alone, which checks them before staging the save.
-        views = coord.gather(f"{save_id}/plan", msgpack.packb(view))
-        if own_error is not None and views is None:
-            raise own_error
-
-        mine: list[Staged] = []  # the primary's own Staged: it holds the staged place's lock
-
-        def prepare() -> bytes:
-            _check_fingerprints([msgpack.unpackb(v) for v in views])
-            try:
-                mine.append(commit_for(storage).stage(overwrite=overwrite))
-                return msgpack.packb({"staged": mine[0].info})
-            except OSError as e:
-                return msgpack.packb({"errno": e.errno, "error": str(e.strerror)})
-
-        try:
-            decision = msgpack.unpackb(coord.broadcast(f"{save_id}/prepare", prepare))
-        except CheckpointError:
-            if own_error is not None:  # the primary's own planning error (the others got its text)
-                raise own_error from None
-            raise
-        if "staged" not in decision:
-            raise OSError(decision["errno"], decision["error"], final)
-        staged = mine[0] if mine else commit_for(storage).staged_from(decision["staged"])
+        staged = _prepare(coord, save_id, storage, overwrite, view, own_error)
     except BaseException:
         coord.end_save(save_id)
         raise
 
+    p = planned
+    my_writes = p.plan.writes
     chunks: queue.Queue = queue.Queue()
     copied = threading.Event()  # set once every host copy exists
     budget = SaveBudget(opts.host_budget_bytes, keep=opts.staging_pool)
     # More bytes than the budget: the caller waits for the disk anyway, so writes need not wait
     # for the copies to end.
     pressed = sum(w.nbytes for w in my_writes) > budget.limit
-    facts = SaveFacts(storage, staged, encoding, leaves, stacks, array_specs(leaves, stacks), overwrite, user_metadata,
-                      coord.process_index, coord.process_count, opts.io_concurrency)
-    job = SaveJob(coord, save_id, facts, save_layout(layout, plan, shards, opts.pack_object_bytes, budget,
+    facts = SaveFacts(storage, staged, p.encoding, p.leaves, p.stacks, array_specs(p.leaves, p.stacks), overwrite,
+                      user_metadata, coord.process_index, coord.process_count, opts.io_concurrency)
+    job = SaveJob(coord, save_id, facts, save_layout(p.layout, p.plan, p.shards, opts.pack_object_bytes, budget,
                                                      staged.storage.caps, my_writes), opts)
     job.stats.update(plan_s=plan_s, bytes=sum(w.nbytes for w in my_writes), writes=len(my_writes))
     handle = SaveHandle(final, lambda: job.run(chunks, copied, budget, pressed), job.cancel)
@@ -436,7 +414,7 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
     handle._budget = budget  # (read by tests: its high-water mark)
     copy_start = time.perf_counter()
     try:
-        for item in stage({i: l.source for i, l in enumerate(leaves)}, my_writes, budget):
+        for item in copy_to_host({i: l.source for i, l in enumerate(p.leaves)}, my_writes, budget):
             chunks.put(item)
             del item
     except BaseException as e:
@@ -454,6 +432,51 @@ def start_save(path, tree: Any, *, overwrite: bool = False, user_metadata: dict 
     copied.set()
     chunks.put(END)
     return handle
+
+
+def _plan(tree: Any, opts: Options, cap: int, coord) -> _Planned:
+    """Describe the leaves of `tree` (chunks of at most `cap` bytes), plan this process's
+    writes and choose the layout."""
+    encoding, flat = flatten(tree)
+    leaves = [describe(l, coord.process_count, cap) for l in flat]
+    finish_array_records(leaves, storage_paths([l.components for l in flat]))
+    # (bundled chunks stay within the cap too)
+    # This process's writes only: the job's plan is never built (issue 23).
+    shards = array_shards(leaves)
+    plan = plan_save(shards, pack_limit=min(opts.pack_limit_bytes, cap),
+                     stack_chunk_bytes=min(STACK_CHUNK_BYTES, cap), process=coord.process_index)
+    stacks = bundle_records(leaves, plan)
+    return _Planned(encoding, leaves, shards, plan, stacks, layout_name(opts.layout, coord.process_count))
+
+
+def _prepare(coord, save_id: str, storage, overwrite: bool, view: dict, own_error: Exception | None) -> Staged:
+    """Every process's plan (`view`: its fingerprint or its error) to the primary, which checks
+    that they agree and stages the save; the staged place back, on every process."""
+    final = storage.url
+    # The views go to the primary alone, which checks them before staging the save.
+    views = coord.gather(f"{save_id}/plan", msgpack.packb(view))
+    if own_error is not None and views is None:
+        raise own_error
+
+    mine: list[Staged] = []  # the primary's own Staged: it holds the staged place's lock
+
+    def prepare() -> bytes:
+        _check_fingerprints([msgpack.unpackb(v) for v in views])
+        try:
+            mine.append(commit_for(storage).stage(overwrite=overwrite))
+            return msgpack.packb({"staged": mine[0].info})
+        except OSError as e:
+            return msgpack.packb({"errno": e.errno, "error": str(e.strerror)})
+
+    try:
+        decision = msgpack.unpackb(coord.broadcast(f"{save_id}/prepare", prepare))
+    except CheckpointError:
+        if own_error is not None:  # the primary's own planning error (the others got its text)
+            raise own_error from None
+        raise
+    if "staged" not in decision:
+        raise OSError(decision["errno"], decision["error"], final)
+    return mine[0] if mine else commit_for(storage).staged_from(decision["staged"])
 
 
 def save(path, tree: Any, *, overwrite: bool = False, options: Options | None = None,

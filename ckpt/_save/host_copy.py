@@ -1,11 +1,12 @@
-"""Host staging within a byte budget: the device-to-host copies of the chunks this process
-writes, into host memory the library owns, never more than the save's host budget at once.
+"""The host copy within a byte budget: the device-to-host copies of the chunks this process
+writes, into host memory the library owns, never more than the save's host budget at once
+("staging" names this step's buffers only; the staged place of a commit is ``ckpt._commit``'s).
 
 A ``SaveBudget`` counts every host byte of one save: staging buffers being filled, chunks
 handed to storage and not yet durable, and the free buffers the process-wide ``StagingPool``
-keeps. ``stage`` takes budget before it starts a chunk's copy and blocks while the budget is
+keeps. ``copy_to_host`` takes budget before it starts a chunk's copy and blocks while the budget is
 spent; the writer gives the budget back when the chunk's write is durable and checksummed. Once
-``stage`` has yielded every chunk, the caller may donate, delete or overwrite the arrays.
+``copy_to_host`` has yielded every chunk, the caller may donate, delete or overwrite the arrays.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import full_box, index_to_box, relative
 from ckpt._memory import return_to_os as _return_to_os
 from ckpt._memory import unreferenced as _unreferenced
-from ckpt._save.plan import HOST, PackedWrite, ShardWrite
+from ckpt._save.plan import HOST, BundledWrite, ShardWrite
 
 PAGE = 4096  # staging buffers are page aligned and sized, for direct (O_DIRECT) writes
 # A buffer a storage engine still references when its write is durable (TensorStore lets go of
@@ -297,10 +298,10 @@ class _Sources:
         return data, box, self._on_cpu[leaf]
 
 
-def _begin(srcs: _Sources, w: ShardWrite | PackedWrite) -> Any:
+def _begin(srcs: _Sources, w: ShardWrite | BundledWrite) -> Any:
     """Start what the copy of `w` needs: on accelerators, ``copy_to_host_async`` of the chunk (a
     device-side slice when the chunk is part of a shard); on the host, the source views."""
-    if isinstance(w, PackedWrite):
+    if isinstance(w, BundledWrite):
         parts = []
         for leaf, pieces in w.members:
             for _, dev in pieces:
@@ -326,10 +327,10 @@ def _into(lease: Lease, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     return lease.buffer[:nbytes].view(dtype).reshape(shape)
 
 
-def _finish(w: ShardWrite | PackedWrite, src: Any, lease: Lease) -> np.ndarray:
+def _finish(w: ShardWrite | BundledWrite, src: Any, lease: Lease) -> np.ndarray:
     """The host copy of `w`, owned by the library."""
-    if isinstance(w, PackedWrite):
-        return _packed(w, src, lease)
+    if isinstance(w, BundledWrite):
+        return _bundled(w, src, lease)
     if isinstance(src, jax.Array):
         # On accelerators np.asarray is the fresh host buffer copy_to_host_async filled.
         return np.asarray(src)
@@ -343,8 +344,8 @@ def _finish(w: ShardWrite | PackedWrite, src: Any, lease: Lease) -> np.ndarray:
     return out
 
 
-def _packed(w: PackedWrite, parts: list[Any], lease: Lease) -> np.ndarray:
-    """The chunk of a packed write, assembled from its pieces into one buffer the library owns:
+def _bundled(w: BundledWrite, parts: list[Any], lease: Lease) -> np.ndarray:
+    """The chunk of a bundled write (small arrays, format version 2's stacks), assembled from its pieces into one buffer the library owns:
     shape (members, *shape) for a stack's chunk, the member's shape for a single-chunk array."""
     first = np.asarray(parts[0])
     stacked = w.array < 0
@@ -366,9 +367,9 @@ def _packed(w: PackedWrite, parts: list[Any], lease: Lease) -> np.ndarray:
     return out
 
 
-def _cost(srcs: _Sources, w: ShardWrite | PackedWrite) -> tuple[int, bool]:
+def _cost(srcs: _Sources, w: ShardWrite | BundledWrite) -> tuple[int, bool]:
     """(bytes to count, whether the library allocates a staging buffer) for `w`."""
-    if isinstance(w, PackedWrite):
+    if isinstance(w, BundledWrite):
         leaf, pieces = w.members[0]
         _, _, host = srcs.shard(leaf, pieces[0][1])
         dtype = np.dtype(srcs.sources[leaf].dtype)
@@ -381,11 +382,11 @@ def _cost(srcs: _Sources, w: ShardWrite | PackedWrite) -> tuple[int, bool]:
     if _copies_on_conversion(dtype):
         n += w.nbytes
     # On accelerators the host buffer is the one copy_to_host_async fills (jax's, not pooled).
-    return max(n, 1), host or isinstance(w, PackedWrite)
+    return max(n, 1), host or isinstance(w, BundledWrite)
 
 
-def stage(sources: dict[int, Any], writes: Sequence[ShardWrite | PackedWrite], budget: SaveBudget
-          ) -> Iterator[tuple[ShardWrite | PackedWrite, np.ndarray, Lease]]:
+def copy_to_host(sources: dict[int, Any], writes: Sequence[ShardWrite | BundledWrite], budget: SaveBudget
+          ) -> Iterator[tuple[ShardWrite | BundledWrite, np.ndarray, Lease]]:
     """Owned host copies of `writes` in plan order, each yielded with its lease as soon as it
     exists, so that storage can start on a chunk while the next is copied.
 

@@ -20,7 +20,7 @@ from ckpt._errors import CheckpointError, NotDurableError, OutcomeUnknownError
 from ckpt._geometry import Box
 from ckpt._layout import ChunkWriter, SaveFacts, SaveLayout
 from ckpt._options import Options
-from ckpt._save.stage import SaveBudget
+from ckpt._save.host_copy import SaveBudget
 from ckpt._save.write import write_chunks
 
 _log = logging.getLogger("ckpt")

@@ -49,7 +49,7 @@ class Leaf:
     logical_dtype: np.dtype | None = None
 
 
-# Where stacks of packed small arrays live, below the data root ('~' never begins a leaf's
+# Where stacks of bundled small arrays live, below the data root ('~' never begins a leaf's
 # escaped storage path, except the '~<leaf index>' of a clash, which is never '~stacks').
 STACKS_DIR = "~stacks"
 
@@ -214,7 +214,7 @@ def finish_array_records(leaves: list[Leaf], paths: list[str]) -> None:
         leaf.record.storage = ZarrStorage(spath, tuple(leaf.chunk_shape), storage_dtype.name, encoding, ALGORITHM)
 
 
-def pack_records(leaves: list[Leaf], plan: SavePlan) -> list[Stack]:
+def bundle_records(leaves: list[Leaf], plan: SavePlan) -> list[Stack]:
     """Give the leaves the plan packs their storage: one whole-array chunk, or a member of a
     stack (at STACKS_DIR/<stack>). Returns the stacks (their checksums are filled in at commit)."""
     for i in plan.whole:
@@ -321,7 +321,7 @@ class ShardWrite:
 
 
 @dataclass(frozen=True)
-class PackedWrite:
+class BundledWrite:
     """One chunk assembled on the host from the whole values of small arrays `process` holds.
 
     `array`: the leaf index of a single-chunk array, or ``-1 - s`` for stack s. `box`: the
@@ -354,15 +354,15 @@ class PlannedStack:
 
 @dataclass(frozen=True)
 class SavePlan:
-    writes: tuple[ShardWrite | PackedWrite, ...]
+    writes: tuple[ShardWrite | BundledWrite, ...]
     stacks: tuple[PlannedStack, ...] = ()
-    whole: tuple[int, ...] = ()  # leaves packed as single-chunk arrays
+    whole: tuple[int, ...] = ()  # leaves bundled as single-chunk arrays
     # With `process` (plan_save): (leaf, chunk box, writer) of every chunk this process holds
-    # and another writes: the pointers of its index object (packed layout, SPEC section 13).
+    # and another writes: the pointers of its index object (the packed layout, SPEC section 13).
     pointers: tuple[tuple[int, Box, int], ...] = ()
     whole_writers: tuple[tuple[int, int], ...] = ()  # (leaf, process) of each leaf in `whole`
 
-    def for_process(self, process: int) -> tuple[ShardWrite | PackedWrite, ...]:
+    def for_process(self, process: int) -> tuple[ShardWrite | BundledWrite, ...]:
         return tuple(w for w in self.writes if w.process == process)
 
     def bytes_by_process(self) -> dict[int, int]:
@@ -390,12 +390,12 @@ def _least(candidates, load: dict, key=lambda c: c):
 class _Loads:
     """Bytes assigned so far per process, kept per holder set: the writer of a region held by
     the processes `S` is chosen by the bytes given to each member of `S` by regions of `S` (and
-    by packed arrays), never by regions of other sets. So every member of `S` (which holds all
+    by bundled arrays), never by regions of other sets. So every member of `S` (which holds all
     of them) reaches the same choices from what it holds alone: a process plans only its own
     part (issue 23: the whole job's plan is 13.8 M writes at 1,024 hosts)."""
 
     def __init__(self, base: dict[int, int]) -> None:
-        self._base = base  # packed arrays' bytes, known to every process
+        self._base = base  # bundled arrays' bytes, known to every process
         self._sets: dict[tuple[int, ...], dict[int, int]] = {}
 
     def assign(self, procs: tuple[int, ...], nbytes: int) -> int:
@@ -410,7 +410,7 @@ class _Loads:
 
 def plan_save(arrays: Iterable[ArrayShards], *, pack_limit: int = PACK_LIMIT,
               stack_chunk_bytes: int = STACK_CHUNK_BYTES, process: int | None = None) -> SavePlan:
-    """Assign every unique region to exactly one holder, balancing bytes; pack small arrays.
+    """Assign every unique region to exactly one holder, balancing bytes; bundle small arrays.
 
     `process` given: plan only the writes of that process (``writes`` holds its own; stacks and
     whole arrays are the job's, the same on every process). The union over processes of their
@@ -418,20 +418,32 @@ def plan_save(arrays: Iterable[ArrayShards], *, pack_limit: int = PACK_LIMIT,
     that grow with the regions it holds, not with the job's.
 
     An array of at most `pack_limit` bytes (shape and dtype given) of which some one process
-    holds every region is packed: written whole by the least loaded such process (loads of
-    packed arrays only, so every process computes the same packing), in a stack with the other
-    packed arrays of that writer, shape and dtype, or alone as a single chunk.
+    holds every region is bundled: written whole by the least loaded such process (loads of
+    bundled arrays only, so every process computes the same bundling), in a stack with the other
+    bundled arrays of that writer, shape and dtype, or alone as a single chunk.
 
     The other arrays are written region by region, a region larger than its array's
     `chunk_shape` split into its chunks first, each placed on its own. Regions held by one
     process go to it. Replicated regions are placed largest first on the holding process with
     the fewest bytes so far among the same holders (longest-processing-time scheduling within
-    each set of holders, seeded with the packed bytes), so replicated arrays are spread over
+    each set of holders, seeded with the bundled bytes), so replicated arrays are spread over
     processes instead of all landing on replica 0. Within a process, the least loaded holding
     device copies it. Ties break on the lowest index, so the result depends only on the inputs.
     """
-    arrays = list(arrays)
-    packable = []
+    bundleable, big = _bundleable(list(arrays), pack_limit)
+    bundled_load: dict[int, int] = {}
+    dev_load: dict[tuple[int, int], int] = {}
+    groups = _place_bundled(bundleable, bundled_load, dev_load)
+    writes, pointers = _place_regions(big, process, bundled_load, dev_load)
+    stacks, whole, bundled, whole_writers = _bundle(groups, stack_chunk_bytes, process)
+    return SavePlan(tuple(writes) + tuple(bundled), tuple(stacks), tuple(sorted(whole)), tuple(sorted(pointers)),
+                    tuple(sorted(whole_writers)))
+
+
+def _bundleable(arrays: list[ArrayShards], pack_limit: int) -> tuple[list, list]:
+    """(bundleable, big): the arrays of at most `pack_limit` bytes some one process holds whole,
+    each with (the processes holding it whole, each box's devices by process); the others."""
+    bundleable = []
     # Arrays of one shape and sharding share one holders map (array_shards): what depends only
     # on it is worked out once per map, not once per leaf.
     placements: dict[int, tuple] = {}
@@ -452,22 +464,25 @@ def plan_save(arrays: Iterable[ArrayShards], *, pack_limit: int = PACK_LIMIT,
                     by_proc.append((box, devs))
                 placement = placements[id(a.holders)] = (whole, by_proc)
             if placement[0]:
-                packable.append((a, placement))
+                bundleable.append((a, placement))
                 continue
         big.append(a)
+    return bundleable, big
 
-    # Packed arrays first, by every process alike: writers among those holding the array whole
+
+def _place_bundled(bundleable: list, bundled_load: dict[int, int], dev_load: dict[tuple[int, int], int]) -> dict:
+    """The bundled arrays' writers and devices, grouped by (writer, dtype, shape, itemsize): lists
+    of (leaf, pieces). Adds their bytes to `bundled_load` (by process) and `dev_load`."""
+    # Bundled arrays first, by every process alike: writers among those holding the array whole
     # (arrays only one process holds first), then each region from the least loaded device of
     # the writer that holds it.
-    packable.sort(key=lambda x: (len(x[1][0]) > 1, -math.prod(x[0].shape) * x[0].itemsize, x[0].leaf))
-    packed_load: dict[int, int] = {}
-    dev_load: dict[tuple[int, int], int] = {}
-    sets = _Loads(packed_load)
+    bundleable.sort(key=lambda x: (len(x[1][0]) > 1, -math.prod(x[0].shape) * x[0].itemsize, x[0].leaf))
+    sets = _Loads(bundled_load)
     groups: dict[tuple, list] = {}
-    for a, (procs, boxes) in packable:
+    for a, (procs, boxes) in bundleable:
         nbytes = math.prod(a.shape) * a.itemsize
         proc = procs[0] if len(procs) == 1 else sets.assign(procs, nbytes)
-        packed_load[proc] = packed_load.get(proc, 0) + nbytes
+        bundled_load[proc] = bundled_load.get(proc, 0) + nbytes
         pieces = []
         for box, devices in boxes:
             devs = sorted(set(devices[proc]))
@@ -475,10 +490,16 @@ def plan_save(arrays: Iterable[ArrayShards], *, pack_limit: int = PACK_LIMIT,
             dev_load[(proc, dev)] = dev_load.get((proc, dev), 0) + box_size(box) * a.itemsize
             pieces.append((box, dev))
         groups.setdefault((proc, a.dtype, tuple(a.shape), a.itemsize), []).append((a.leaf, tuple(pieces)))
+    return groups
 
+
+def _place_regions(big: list[ArrayShards], process: int | None, bundled_load: dict[int, int],
+                   dev_load: dict[tuple[int, int], int]) -> tuple[list, list]:
+    """(writes, pointers): the region writes of `process` (of every process without it), and
+    the (leaf, chunk box, writer) of the chunks it holds and another writes."""
     # Regions: only those `process` holds (all of them without it), each holder set balanced
-    # on its own (seeded with the packed bytes, which every process knows alike).
-    sets = _Loads(packed_load)
+    # on its own (seeded with the bundled bytes, which every process knows alike).
+    sets = _Loads(bundled_load)
     items = []
     by_proc: dict[int, list] = {}
     seen: dict[int, tuple] = {}
@@ -517,8 +538,13 @@ def plan_save(arrays: Iterable[ArrayShards], *, pack_limit: int = PACK_LIMIT,
         dev_load[(proc, dev)] = dev_load.get((proc, dev), 0) + nbytes
         writes.append(ShardWrite(leaf, box, proc, dev, nbytes))
     writes.sort(key=lambda w: (w.leaf, w.box))
+    return writes, pointers
 
-    stacks, whole, packed, whole_writers = [], [], [], []
+
+def _bundle(groups: dict, stack_chunk_bytes: int, process: int | None) -> tuple[list, list, list, list]:
+    """(stacks, whole, bundled writes, whole_writers) of the bundled arrays' `groups`: a group of
+    one is a single-chunk array, the others stacks of at most MAX_STACK_MEMBERS members."""
+    stacks, whole, bundled, whole_writers = [], [], [], []
     for (proc, dtype, shape, itemsize), group in sorted(groups.items(), key=lambda g: min(m[0] for m in g[1])):
         group.sort()
         member_bytes = math.prod(shape) * itemsize
@@ -526,7 +552,7 @@ def plan_save(arrays: Iterable[ArrayShards], *, pack_limit: int = PACK_LIMIT,
             whole.append(group[0][0])
             whole_writers.append((group[0][0], proc))
             if process is None or proc == process:
-                packed.append(PackedWrite(group[0][0], full_box(shape), proc, (group[0],), member_bytes))
+                bundled.append(BundledWrite(group[0][0], full_box(shape), proc, (group[0],), member_bytes))
             continue
         for first in range(0, len(group), MAX_STACK_MEMBERS):
             members = group[first:first + MAX_STACK_MEMBERS]
@@ -538,6 +564,5 @@ def plan_save(arrays: Iterable[ArrayShards], *, pack_limit: int = PACK_LIMIT,
             for start in range(0, len(members), per_chunk):
                 part = tuple(members[start:start + per_chunk])
                 box = ((start, start + len(part)),) + full_box(shape)
-                packed.append(PackedWrite(-1 - s, box, proc, part, member_bytes * len(part)))
-    return SavePlan(tuple(writes) + tuple(packed), tuple(stacks), tuple(sorted(whole)), tuple(sorted(pointers)),
-                    tuple(sorted(whole_writers)))
+                bundled.append(BundledWrite(-1 - s, box, proc, part, member_bytes * len(part)))
+    return stacks, whole, bundled, whole_writers

@@ -19,7 +19,7 @@ from ckpt._errors import CheckpointError
 from ckpt._format import GENERATION_MARK, MANIFEST_NAME, is_temp_name, read_manifest
 from ckpt._options import Options
 from ckpt._commit import Leftover, commit_for
-from ckpt.storage import Storage
+from ckpt.storage import Storage, name_of
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def find_leftovers(storage: Storage) -> list[Found]:
                 found += _below(storage.child(name))
     elif storage.exists(MANIFEST_NAME):
         parent = storage.parent()
-        found += [Found(parent, l) for l in commit_for(parent).leftovers() if l.name.startswith(storage.name + ".tmp-")]
+        found += [Found(parent, l) for l in commit_for(parent).leftovers() if l.name.startswith(name_of(storage) + ".tmp-")]
     return found
 
 

@@ -77,7 +77,18 @@ def render_export(doc: dict) -> str:
              f"to {doc['out']} in {len(files)} file(s):"]
     lines += [f"  {f}" for f in files]
     if doc["skipped"]:
-        lines.append(f"not tensors, not exported ({len(doc['skipped'])}): {', '.join(doc['skipped'])}")
+        lines.append(f"not tensors, not exported ({len(doc['skipped'])}): {_first_few(doc['skipped'])}")
     if doc["dropped"]:
-        lines.append(f"dropped by --rename ({len(doc['dropped'])}): {', '.join(doc['dropped'])}")
+        lines.append(f"dropped by --rename ({len(doc['dropped'])}): {_first_few(doc['dropped'])}")
     return "\n".join(lines)
+
+
+# Names listed in a line of `export`'s report; the rest are counted (an optimizer state dropped by
+# --rename is thousands of names: --json lists them all).
+_SHOWN_NAMES = 5
+
+
+def _first_few(names: list[str]) -> str:
+    if len(names) <= _SHOWN_NAMES:
+        return ", ".join(names)
+    return f"{', '.join(names[:_SHOWN_NAMES])} and {len(names) - _SHOWN_NAMES} more (--json lists them all)"

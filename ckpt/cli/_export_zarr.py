@@ -38,7 +38,7 @@ from ckpt._geometry import Box, chunk_box, chunk_grid, full_box
 from ckpt._options import Options, resolve
 from ckpt._restore import Reader, RestoreStats, packed_reads, plan_leaf_read, require_manifest
 from ckpt.safetensors import local_out_dir
-from ckpt.storage import fsync_path, open_storage
+from ckpt.storage import fsync_path, open_storage, pinned
 
 ZARR_JSON = "zarr.json"
 VALUES_KEY = "jax_ckpt_values"  # root group attribute: the value leaves, {leaf path: JSON value}
@@ -201,7 +201,7 @@ def export_zarr(path: Any, out: Any, *, overwrite: bool = False, options: Option
     replace = _check_out(directory, overwrite)
     parent, name = os.path.split(directory)
     os.makedirs(parent, exist_ok=True)
-    with open_storage(path, opts).pin() as storage:
+    with pinned(open_storage(path, opts)) as storage:
         manifest = require_manifest(storage)
         source = storage.url
         comps = leaf_components(manifest.tree)

@@ -15,8 +15,7 @@ from ckpt._format import ARRAY_KINDS, DICT, LEAF, MANIFEST_NAME, LeafRecord, Man
 from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import Box
 from ckpt._options import Options, resolve
-from ckpt._manager import METRICS_KEY
-from ckpt._orbax import kind_of, read_layout, step_record
+from ckpt._orbax import kind_of, read_layout, step_user_metadata
 from ckpt.cli._opened import Opened
 from ckpt.storage import Storage
 
@@ -38,10 +37,10 @@ def _orbax(storage: Storage, note: str | None, options: Options) -> Opened:
                              ZarrStorage(leaf.param, leaf.chunk_shape, data_type, "orbax", "none"), None, rec.prng_impl)
         records.append(rec)
     created = (layout.step_metadata or {}).get("commit_timestamp_nsecs")
-    # A step's metrics (Orbax's best_fn), kept where a CheckpointManager step of ours keeps them,
-    # so that `inspect` shows them and `diff` compares them with a jax-ckpt step's.
-    metrics = step_record(storage)[0] if kind_of(storage) == "step" else None
-    manifest = Manifest(layout.tree, records, {METRICS_KEY: metrics} if metrics else None)
+    # A step's custom metadata and metrics (Orbax's best_fn), kept where a CheckpointManager step
+    # of ours keeps them (what `convert` writes), so that `inspect` shows them and `diff`
+    # compares them with a jax-ckpt step's.
+    manifest = Manifest(layout.tree, records, step_user_metadata(storage) if kind_of(storage) == "step" else None)
     return Opened(storage, manifest, note, format="orbax", what=layout.describe(),
                   created=created / 1e9 if isinstance(created, int) else None, source=(layout, arrays))
 
@@ -64,8 +63,9 @@ def _safetensors(storage: Storage, note: str | None, options: Options) -> Opened
         if not isinstance(node, ArrayMetadata):
             raise CheckpointError(f"{storage.url}: {'/'.join(path)} is not a tensor")
         named = node.mesh_axis_names is not None
-        sharding = ({"kind": "named", "axis_names": list(node.mesh_axis_names),
-                     "axis_sizes": list(node.mesh_axis_sizes),
+        # As a manifest records a NamedSharding (formats/SPEC.md), so that `inspect` reads it alike.
+        sharding = ({"kind": "named",
+                     "mesh": {"axis_names": list(node.mesh_axis_names), "axis_sizes": list(node.mesh_axis_sizes)},
                      "spec": [e if e is None or isinstance(e, str) else list(e) for e in node.partition_spec]}
                     if named else None)
         records.append(LeafRecord("/".join(path), node.kind if named else "numpy.ndarray", tuple(node.shape),

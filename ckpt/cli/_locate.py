@@ -21,7 +21,7 @@ from ckpt._geometry import chunk_grid
 from ckpt._options import Options
 from ckpt._orbax import STEP_METADATA, TMP_MARK, step_of
 from ckpt.cli._opened import Opened, StepRow, _is_file, _not_a_directory, open_location
-from ckpt.storage import Storage
+from ckpt.storage import Storage, name_of, usage
 
 
 _STRICT = re.compile(r"^(?:step_)?\d+$")  # the manager's default naming and step_prefix=None
@@ -99,7 +99,7 @@ def open_checkpoint(location: Any, step: int | None = None, options: Options | N
         if step is not None:
             raise CheckpointError(f"{storage.url} is a single checkpoint, not a manager directory: drop --step")
         return Opened(storage, read_manifest(storage))
-    entries = [] if is_temp_name(storage.name) else scan_all_steps(storage)
+    entries = [] if is_temp_name(name_of(storage)) else scan_all_steps(storage)
     if entries:
         committed = _committed(entries)
         if step is not None:
@@ -149,24 +149,24 @@ def manifest_size(manifest: Manifest, manifest_bytes: int) -> tuple[int, int]:
 
 
 def _row(step: int | None, storage: Storage, note: str | None = None) -> StepRow:
-    usage = storage.du()
-    size, files, written = (usage.bytes, usage.files, usage.modified) if usage else (None, None, None)
-    sized_by = "storage" if usage else None
+    held = usage(storage)
+    size, files, written = (held.bytes, held.files, held.modified) if held else (None, None, None)
+    sized_by = "storage" if held else None
     state, problem = "uncommitted", note  # note: whose staged data it is (ckpt.cli._clean.notes)
     from ckpt.cli._clean import is_retired
 
-    if is_retired(storage.name):
+    if is_retired(name_of(storage)):
         # A step deleted (renamed away first) whose files are not all removed yet, e.g. when the
         # process was killed during retention: not a save that failed to commit.
         state = "deleted"
-    elif not is_temp_name(storage.name) and storage.exists(MANIFEST_NAME):
+    elif not is_temp_name(name_of(storage)) and storage.exists(MANIFEST_NAME):
         try:
             manifest = read_manifest(storage)
         except CheckpointError as e:
             state, problem = "corrupt", str(e).splitlines()[0]
         else:
             state, written = "committed", manifest.created
-            if usage is None:
+            if held is None:
                 # Only the size can be wrong here (a manifest of at most 1 GiB was just read).
                 manifest_bytes = len(storage.get(MANIFEST_NAME, max_bytes=1 << 30))
                 (size, files), sized_by = manifest_size(manifest, manifest_bytes), "manifest"
@@ -178,7 +178,7 @@ def list_steps(location: Any, options: Options | None = None) -> list[StepRow]:
     `location`."""
     storage = open_location(location, options)
     has_manifest = storage.exists(MANIFEST_NAME)
-    entries = [] if has_manifest or is_temp_name(storage.name) else scan_all_steps(storage)
+    entries = [] if has_manifest or is_temp_name(name_of(storage)) else scan_all_steps(storage)
     from ckpt.cli._clean import notes
 
     staged = {} if has_manifest else notes(storage)  # uncommitted entries: a save in progress, or dead
@@ -190,13 +190,13 @@ def list_steps(location: Any, options: Options | None = None) -> list[StepRow]:
         rows = [orbax_row(e.step, storage.child(e.name), e.committed) if e.kind == "orbax"
                 else _row(e.step, storage.child(e.name), staged.get(e.name)) for e in entries]
         return rows + [_row(None, storage.child(n), why) for n, why in sorted(staged.items()) if n not in named]
-    if has_manifest or is_temp_name(storage.name):
-        return [_row(step_of(storage.name.split(TEMP_MARK)[0]), storage)]
+    if has_manifest or is_temp_name(name_of(storage)):
+        return [_row(step_of(name_of(storage).split(TEMP_MARK)[0]), storage)]
     from ckpt._format import GENERATION_MARK
 
     if any(d.startswith(GENERATION_MARK) for d in storage.list_dir("")[1]):
         # A save to this location (object stores: a generation prefix) that never committed.
-        return [_row(step_of(storage.name), storage)]
+        return [_row(step_of(name_of(storage)), storage)]
     if _is_file(storage):
         raise _not_a_directory(storage)
     from ckpt.cli._orbax import orbax_rows

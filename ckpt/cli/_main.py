@@ -127,10 +127,11 @@ def _cmd_diff(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    from ckpt.cli._plan import dry_run_document, dry_run_restore, parse_mesh, render_dry_run
+    from ckpt.cli._plan import dry_run_document, dry_run_restore, parse_axis_names, parse_mesh, render_dry_run
 
     try:
         names, sizes = parse_mesh(args.mesh)
+        renamed = parse_axis_names(args.axis_names, names) if args.axis_names else None
     except ValueError as e:
         raise _UsageError(str(e)) from None
     opened = _open(args, args.path, args.step)
@@ -139,7 +140,7 @@ def _cmd_plan(args) -> int:
     if opened.format != "orbax":  # an Orbax step is planned from its layout as restore reads it
         refuse_foreign(opened, "plan")
     try:
-        run = dry_run_restore(opened.manifest, names, sizes, args.processes)
+        run = dry_run_restore(opened.manifest, names, sizes, args.processes, renamed)
     except ValueError as e:
         raise _UsageError(str(e)) from None
     orbax_note = ("an Orbax checkpoint: READ counts its chunks as decoded (Orbax may compress them on disk)"
@@ -297,12 +298,16 @@ def _parser() -> argparse.ArgumentParser:
                 "Compute what restore(PATH, mesh=...) would read on a mesh given by axis sizes, without any "
                 "devices: bytes and chunks each process reads, the bytes its devices need, and the read "
                 "amplification (bytes read / bytes needed). Saved PartitionSpecs are matched to the mesh by "
-                "axis name, as restore(mesh=) does; leaves that cannot be placed are listed with the reason "
+                "axis name, as restore(mesh=) does (--axis-names renames saved axes, as its axis_names=); "
+                "leaves that cannot be placed are counted by reason, with a hint when the mesh lacks saved axes "
                 "(exit status 1). Devices are assumed to fill the mesh in row-major order, each process "
                 "holding a contiguous block of devices/processes of them.\n\n"
                 "example: ckpt plan /ckpts/step_00001000 --mesh data=2,model=4 --processes 2")
     c.add_argument("path", metavar="PATH", help=f"checkpoint or manager directory ({where})")
     c.add_argument("--mesh", required=True, metavar="AXIS=SIZE,...", help="target mesh, e.g. data=2,model=4")
+    c.add_argument("--axis-names", metavar="SAVED=AXIS,...",
+                   help="saved mesh axis names to read as these axes of --mesh, as restore(axis_names=) does, "
+                        "e.g. data=x,model=y")
     c.add_argument("--processes", type=int, default=1, metavar="N", help="number of processes (default 1)")
     c.add_argument("--step", type=_step, metavar="N", help=step_help)
     c.add_argument("--per-leaf", action="store_true", help="also print the numbers of every leaf")

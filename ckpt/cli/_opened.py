@@ -16,7 +16,7 @@ from ckpt._errors import CheckpointError
 from ckpt._format import Manifest
 from ckpt._options import Options, resolve
 from ckpt._restore import packed_reads
-from ckpt.storage import Storage, open_storage
+from ckpt.storage import Storage, name_of, open_storage
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def _is_file(storage: Storage) -> bool:
     """Whether the location itself is a file (object), not a directory (prefix). Lists the
     parent, so it is asked only to explain an error."""
     try:
-        return bool(storage.name) and storage.name in storage.parent().list_dir("")[0]
+        return bool(name_of(storage)) and name_of(storage) in storage.parent().list_dir("")[0]
     except (OSError, CheckpointError):
         return False
 
@@ -57,7 +57,7 @@ def _not_a_directory(storage: Storage) -> CheckpointError:
 def open_location(location: Any, options: Options | None) -> Storage:
     """The storage of `location`, which must hold something."""
     storage = open_storage(location, resolve(options))
-    if not storage.exists_any():
+    if not storage.exists(""):
         if _is_file(storage):
             raise _not_a_directory(storage)
         raise FileNotFoundError(errno.ENOENT, "no such file or directory", storage.url)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ckpt._format import ARRAY_KINDS, JAX_ARRAY, PRNG_KEY, Manifest, display_path
 from ckpt._format import dtypes as _dtypes
-from ckpt._geometry import ShardingInfo, full_box, mesh_fit_problem, named_boxes
+from ckpt._geometry import ShardingInfo, full_box, mesh_fit_problem, named_boxes, spec_axes
 from ckpt._restore import plan_leaf_read
 
 
@@ -30,6 +30,22 @@ def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
         names.append(name)
         sizes.append(int(size))
     return tuple(names), tuple(sizes)
+
+
+def parse_axis_names(text: str, mesh_names: tuple[str, ...]) -> dict[str, str]:
+    """'data=x,model=y' (saved axis name = mesh axis name, as ``restore(axis_names=)``) -> a
+    dict; ValueError naming the entry at fault."""
+    out: dict[str, str] = {}
+    for part in text.split(","):
+        saved, eq, new = (x.strip() for x in part.partition("="))
+        if not eq or not saved or not new:
+            raise ValueError(f"bad --axis-names {text!r}: write it as saved=mesh axis names, e.g. data=x,model=y")
+        if new not in mesh_names:
+            raise ValueError(f"--axis-names maps {saved!r} to {new!r}, which is not an axis of the mesh {mesh_names}")
+        if new in out.values() or saved in out:
+            raise ValueError(f"bad --axis-names {text!r}: each saved axis and each mesh axis appears once")
+        out[saved] = new
+    return out
 
 
 @dataclass
@@ -63,6 +79,9 @@ class DryRun:
     per_process: list[ReadTotals]
     per_leaf: dict[str, ReadTotals] = field(default_factory=dict)
     unplaceable: list[tuple[str, str]] = field(default_factory=list)  # (leaf path, why)
+    renamed: dict[str, str] = field(default_factory=dict)  # --axis-names: saved axis name -> mesh axis name
+    # Saved meshes ((name, size) pairs) of the leaves whose axes the mesh lacks: for the hint.
+    lacking_meshes: list[tuple[tuple[str, int], ...]] = field(default_factory=list)
 
     @property
     def total(self) -> ReadTotals:
@@ -72,9 +91,11 @@ class DryRun:
         return t
 
 
-def _placement(rec, names: tuple[str, ...], sizes: tuple[int, ...]) -> tuple[dict | None, str | None]:
-    """(mesh position -> box of the stored data, None) or (None, why it cannot be placed).
-    A None mapping with no reason means: on the host, whole, in every process."""
+def _placement(rec, names: tuple[str, ...], sizes: tuple[int, ...],
+               renamed: dict[str, str] | None = None) -> tuple[dict | None, str | None]:
+    """(mesh position -> box of the stored data, None) or (None, why it cannot be placed), each
+    saved axis name renamed through `renamed` (``--axis-names``). A None mapping with no reason
+    means: on the host, whole, in every process."""
     if rec.kind not in (JAX_ARRAY, PRNG_KEY):
         return None, None
     info = ShardingInfo.from_record(rec.sharding)
@@ -83,25 +104,29 @@ def _placement(rec, names: tuple[str, ...], sizes: tuple[int, ...]) -> tuple[dic
     ndim = len(rec.shape)
     spec = tuple(info.spec) if info.kind == "named" else ()
     spec = spec + (None,) * (ndim - len(spec))  # PRNG key data: trailing dimensions unsharded
+    if renamed:
+        spec = tuple(e if e is None else tuple(renamed.get(a, a) for a in spec_axes(e)) for e in spec)
     why = mesh_fit_problem(rec.shape, spec, names, sizes)
     if why is not None:
         return None, why
     return named_boxes(rec.shape, names, sizes, spec), None
 
 
-def dry_run_restore(manifest: Manifest, names: tuple[str, ...], sizes: tuple[int, ...], processes: int = 1) -> DryRun:
+def dry_run_restore(manifest: Manifest, names: tuple[str, ...], sizes: tuple[int, ...], processes: int = 1,
+                    renamed: dict[str, str] | None = None) -> DryRun:
     devices = math.prod(sizes)
     if processes < 1 or devices % processes:
         raise ValueError(f"a mesh of {devices} devices cannot be split evenly over {processes} processes")
     per = devices // processes
-    run = DryRun(names, sizes, processes, [ReadTotals() for _ in range(processes)])
+    run = DryRun(names, sizes, processes, [ReadTotals() for _ in range(processes)], renamed=dict(renamed or {}))
     stack_chunks_read: set[tuple[int, int, int]] = set()  # (process, stack, chunk): each read once
     for i, rec in enumerate(manifest.leaves):
         if rec.kind not in ARRAY_KINDS:
             continue
-        boxes_by_position, why = _placement(rec, names, sizes)
+        boxes_by_position, why = _placement(rec, names, sizes, run.renamed)
         if why is not None:
             run.unplaceable.append((rec.path, why))
+            _note_lacking(run, rec)
             continue
         zarr = rec.zarr is not None
         # Inline data is one whole-array chunk (at least 1 per dimension, for empty arrays), as in restore.
@@ -134,6 +159,59 @@ def dry_run_restore(manifest: Manifest, names: tuple[str, ...], sizes: tuple[int
     return run
 
 
+def _note_lacking(run: DryRun, rec) -> None:
+    """Record the saved mesh of `rec` when the mesh lacks one of its axes (for ``axis_hint``)."""
+    info = ShardingInfo.from_record(rec.sharding)
+    if info is None or info.kind != "named":
+        return
+    used = {run.renamed.get(a, a) for entry in info.spec for a in spec_axes(entry)}
+    saved = tuple(zip(info.axis_names, info.axis_sizes))
+    if not used <= set(run.axis_names) and saved not in run.lacking_meshes:
+        run.lacking_meshes.append(saved)
+
+
+def axis_hint(run: DryRun) -> str | None:
+    """What to do when leaves use saved axes the mesh lacks: the saved mesh, and the
+    ``--axis-names`` (``restore(axis_names=)``) that pairs the lacking saved axes in order with
+    the mesh axes no saved axis takes, when their numbers agree (a guess, said as one)."""
+    if not run.lacking_meshes:
+        return None
+    saved = "; ".join(",".join(f"{a}={n}" for a, n in m) for m in run.lacking_meshes)
+    order = list(dict.fromkeys(a for m in run.lacking_meshes for a, _ in m))
+    lacking = [a for a in order if run.renamed.get(a, a) not in run.axis_names]
+    used = {run.renamed.get(a, a) for a in order}
+    free = [a for a in run.axis_names if a not in used]
+    text = f"the checkpoint was saved on mesh {saved}"
+    if lacking and len(free) == len(lacking):
+        guess = {**run.renamed, **dict(zip(lacking, free))}
+        flag = ",".join(f"{k}={v}" for k, v in guess.items())
+        return (f"{text}; if its axes are the mesh's under other names, plan with --axis-names {flag} "
+                f"(restore(..., mesh=mesh, axis_names={guess!r}))")
+    return f"{text}; map saved axis names to the mesh's with --axis-names SAVED=MESH,... (restore's axis_names=)"
+
+
+# Leaves of one reason named in `plan`'s summary; the rest are counted (--per-leaf lists all).
+_SHOWN_LEAVES = 3
+# At most this many unplaceable leaves are listed one a line without --per-leaf.
+_LISTED = 5
+
+
+def unplaceable_lines(unplaceable: list[tuple[str, str]], per_leaf: bool) -> list[str]:
+    """Each unplaceable (leaf, reason) on a line (few, or --per-leaf), else one line per reason:
+    how many leaves, and the first few."""
+    if per_leaf or len(unplaceable) <= _LISTED:
+        return [f"  {display_path(p)}: {why}" for p, why in unplaceable]
+    by_reason: dict[str, list[str]] = {}
+    for p, why in unplaceable:
+        by_reason.setdefault(why, []).append(display_path(p))
+    out = []
+    for why, paths in by_reason.items():
+        more = f" and {len(paths) - _SHOWN_LEAVES} more" if len(paths) > _SHOWN_LEAVES else ""
+        out.append(f"  {len(paths)} {'leaves' if len(paths) > 1 else 'leaf'}: {why} "
+                   f"({', '.join(paths[:_SHOWN_LEAVES])}{more}; --per-leaf lists them)")
+    return out
+
+
 def _amp(t: ReadTotals) -> str:
     return "-" if t.amplification is None else f"{t.amplification:.2f}x"
 
@@ -152,6 +230,8 @@ def dry_run_document(run: DryRun, path: str) -> dict:
         "total": totals(run.total),
         "per_leaf": [{"path": k, **totals(t)} for k, t in run.per_leaf.items()],
         "unplaceable": [{"path": p, "why": why} for p, why in run.unplaceable],
+        "axis_names": dict(run.renamed),
+        "hint": axis_hint(run),
     }
 
 
@@ -181,8 +261,11 @@ def render_dry_run(run: DryRun, path: str, per_leaf: bool) -> str:
     if per_leaf:
         out += [""] + _table([["LEAF", *header[1:]]] + [row(display_path(k), t) for k, t in run.per_leaf.items()])
     if run.unplaceable:
-        out += ["", f"cannot be placed ({len(run.unplaceable)}):"]
-        out += [f"  {display_path(p)}: {why}" for p, why in run.unplaceable]
+        out += ["", f"cannot be placed ({plural(len(run.unplaceable), 'leaf', 'leaves')} of "
+                      f"{plural(len(run.per_leaf) + len(run.unplaceable), 'array')}):"]
+        out += unplaceable_lines(run.unplaceable, per_leaf)
+        if (hint := axis_hint(run)) is not None:
+            out += [f"hint: {hint}"]
     out += ["", "READ: bytes of chunk files read; NEEDED: bytes the devices (or host, for numpy arrays) need, "
             "of it INLINE: stored in the manifest; AMPLIFICATION: READ / (NEEDED - INLINE)"]
     return "\n".join(out)

@@ -265,6 +265,24 @@ def inspect_total(doc: dict) -> str:
             f"({human_bytes(t['zarr_bytes'])} in chunks, {human_bytes(t['inline_bytes'])} inline)")
 
 
+# Members of a stack chunk named in full in `verify`'s report; past it, the first few and the last.
+_STACK_NAMED = 8
+
+
+def stack_label(stack: int, members: list[tuple[int, str]], rows: tuple[int, int] | None = None) -> str:
+    """How `verify` names stack `stack` (``members``: (index in the stack, leaf path)), or with
+    `rows` (first, end) only its chunk holding those members: 'stack 0, chunk members 4-7 (4
+    leaves: a, b, c, d)', so that a damaged chunk names the leaves it holds, not the stack's."""
+    if rows is not None:
+        members = [(i, p) for i, p in members if rows[0] <= i < rows[1]]
+    names = [display_path(p) for _, p in sorted(members)]
+    what = f"stack {stack}" if rows is None else f"stack {stack}, members {rows[0]}-{rows[1] - 1}"
+    if not names:
+        return what
+    shown = ", ".join(names) if len(names) <= _STACK_NAMED else f"{', '.join(names[:3])} ... {names[-1]}"
+    return f"{what} ({plural(len(names), 'leaf', 'leaves')}: {shown})"
+
+
 def plural(n: int, word: str, many: str | None = None) -> str:
     """'1 chunk', '2 chunks' ('1 leaf', '2 leaves' with `many`)."""
     return f"{n} {word}" if n == 1 else f"{n} {many or word + 's'}"

@@ -79,6 +79,11 @@ def rich_plan(doc: dict, per_leaf: bool):
     if per_leaf:
         parts.append(table(["LEAF", *header[1:]], [cells(x["path"], x) for x in doc["per_leaf"]], right=range(1, 6)))
     if doc["unplaceable"]:
+        from ckpt.cli._plan import unplaceable_lines
+
         parts.append(Text(f"cannot be placed ({len(doc['unplaceable'])}):", style="bold red"))
-        parts += [Text(f"  {u['path']}: {u['why']}", style="red") for u in doc["unplaceable"]]
+        pairs = [(u["path"], u["why"]) for u in doc["unplaceable"]]
+        parts += [Text(line, style="red") for line in unplaceable_lines(pairs, per_leaf)]
+        if doc.get("hint"):
+            parts.append(Text(f"hint: {doc['hint']}", style="yellow"))
     return Group(*parts)

@@ -9,7 +9,7 @@ gcs, file) or ``fsspec`` (zarr-python's FsspecStore over any fsspec file system)
 from ckpt._format import GENERATION_MARK, MANIFEST_NAME, TEMP_MARK, ArraySpec, is_temp_name
 from ckpt._memory import aligned_empty
 from ckpt._errors import NotDurableError, OutcomeUnknownError
-from ckpt.storage._base import Storage, StoreCaps
+from ckpt.storage._base import ChunkFiles, LocalDirectory, Storage, StoreCaps, make_dirs, name_of, pinned, usage
 from ckpt.storage._location import ENGINES, default_engine, location_text, open_storage
 from ckpt.storage._wrapper import WrapperStorage
 
@@ -22,6 +22,6 @@ from ckpt.storage._confine import check_local_key  # noqa: E402,F401  (ckpt veri
 
 __all__ = [
     "ENGINES", "GENERATION_MARK", "MANIFEST_NAME", "TEMP_MARK", "ArraySpec", "NotDurableError",
-    "OutcomeUnknownError", "Storage", "StoreCaps", "WrapperStorage", "aligned_empty", "default_engine", "is_temp_name",
-    "location_text", "open_storage",
+    "OutcomeUnknownError", "ChunkFiles", "LocalDirectory", "Storage", "StoreCaps", "WrapperStorage", "aligned_empty", "default_engine", "is_temp_name",
+    "location_text", "make_dirs", "name_of", "open_storage", "pinned", "usage",
 ]

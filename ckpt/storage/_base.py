@@ -202,8 +202,9 @@ class StoreCaps:
 
 
 class Storage(ABC):
-    """One location and everything below it. See the module docstring for the contract; what
-    the engine can do is its ``caps`` (``StoreCaps``)."""
+    """One location and everything below it: bytes only (see the module docstring for the
+    contract). What the engine can do besides is its ``caps`` (``StoreCaps``); the optional
+    protocols a capability brings are ``ChunkFiles`` and ``LocalDirectory``."""
 
     caps: StoreCaps = StoreCaps()
 
@@ -214,11 +215,6 @@ class Storage(ABC):
     def url(self) -> str:
         """The location, as shown in messages (a local path or a URL)."""
 
-    @property
-    def name(self) -> str:
-        """The last component of the location."""
-        return self.url.rstrip("/").rsplit("/", 1)[-1]
-
     @abstractmethod
     def child(self, key: str) -> "Storage":
         """The storage of the location `key` below this one."""
@@ -227,35 +223,23 @@ class Storage(ABC):
     def parent(self) -> "Storage":
         """The storage of the location that holds this one."""
 
-    def make_dirs(self) -> None:
-        """Create this location where the backend has directories (a no-op on object stores)."""
-
     def where(self, key: str) -> str:
         """The full location of `key`, for messages."""
         return f"{self.url.rstrip('/')}/{key}" if key else self.url
-
-    # ---- bytes -------------------------------------------------------------------------
 
     @property
     def resolved_name(self) -> str:
         """The name of what the location really is (on file systems: after following a link to
         it), for the rule that no ``.tmp-`` directory is ever read as a checkpoint."""
-        return self.name
+        return name_of(self)
+
+    # ---- bytes -------------------------------------------------------------------------
 
     @abstractmethod
     def get(self, key: str, *, max_bytes: int) -> bytes:
         """The object's bytes. FileNotFoundError when missing; CheckpointError when it holds more
         than `max_bytes` (nothing larger is ever read) or is not a plain object (module
         docstring: confined reads)."""
-
-    @abstractmethod
-    def read_exact(self, key: str, nbytes: int, into: np.ndarray | None = None) -> np.ndarray:
-        """The object's bytes into a fresh 64-byte-aligned uint8 buffer. FileNotFoundError when
-        missing; CheckpointError naming the object when it does not hold exactly `nbytes` (no
-        more than `nbytes` is ever read, nor allocated before the size is known to fit) or is not
-        a plain object. `into`: a page-aligned uint8 buffer of `nbytes` rounded up to whole pages
-        plus one page, which engines with ``reads_into_buffers`` read into (the result is then
-        a view of it); others ignore it."""
 
     def size(self, key: str) -> int | None:
         """The object's size in bytes, or None where the engine cannot tell without reading it.
@@ -285,55 +269,28 @@ class Storage(ABC):
         out[:] = np.frombuffer(data, np.uint8, length, start)
         return out
 
-    def pin(self) -> contextlib.AbstractContextManager["Storage"]:
-        """A context whose storage keeps reading what is at this location now, even if the
-        location is replaced meanwhile (an overwrite): a reader never mixes two checkpoints.
-        Generations are never rewritten, so by default that is this storage itself; the local
-        engine reads through the directory it opened."""
-        return contextlib.nullcontext(self)
-
     @abstractmethod
     def put(self, key: str, data: bytes) -> Any:
-        """Write (or replace) a small object; returns a future, durable once it resolves."""
+        """Write (or replace) an object; returns a future (``result``, ``done``, ``cancel``),
+        durable once it resolves."""
 
     @abstractmethod
     def put_if_absent(self, key: str, data: bytes) -> None:
         """Write the object only if none exists; FileExistsError otherwise. Atomic where
-        ``conditional_writes`` is set."""
+        ``caps.conditional_writes`` is set."""
 
     @abstractmethod
     def exists(self, key: str) -> bool:
-        """Whether the object `key` exists."""
-
-    @abstractmethod
-    def exists_any(self) -> bool:
-        """Whether anything exists at or below this location."""
+        """Whether the object `key` exists; for ``""``, whether anything exists at or below this
+        location (on file systems: the directory itself)."""
 
     @abstractmethod
     def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
         """(objects, sub-locations) directly below `prefix`, names only, sorted."""
 
-    def du(self) -> Usage | None:
-        """Bytes, objects and newest modification time at or below this location, or None where
-        the engine cannot tell without reading every object (``ckpt ls`` then sizes committed
-        checkpoints from their manifests)."""
-        return None
-
-    @abstractmethod
-    def delete(self, key: str) -> None:
-        """Delete one object; a missing one is not an error."""
-
-    @abstractmethod
-    def delete_tree(self, prefix: str = "") -> None:
-        """Delete everything at or below `prefix` (this whole location for '')."""
-
-    def sync(self, key: str = "") -> None:
-        """Make the directory `key` and its entries durable (fsync). A no-op where objects are
-        durable once written."""
-
     def stat_many(self, keys: Iterable[str]) -> dict[str, int | None]:
-        """Size in bytes of each object (-1 where the engine can only tell that it exists), None
-        for a missing one. By default one listing per directory the keys are in."""
+        """key -> size in bytes, -1 when it exists but the size is unknown without reading it, or
+        None when missing (one listing per directory by default)."""
         listed: dict[str, set[str]] = {}
         out: dict[str, int | None] = {}
         for key in keys:
@@ -343,7 +300,22 @@ class Storage(ABC):
             out[key] = -1 if name in listed[head] else None
         return out
 
-    # ---- arrays ------------------------------------------------------------------------
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Delete one object; a missing one is not an error."""
+
+    @abstractmethod
+    def delete_tree(self, prefix: str = "") -> None:
+        """Delete everything at or below `prefix` ('' for the whole location)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+class ChunkFiles:
+    """The optional protocol of engines that write and read a Zarr array's files themselves (every
+    built-in engine: direct I/O on local disk, TensorStore's zarr driver, zarr-python), used by
+    the files layout (``ckpt._layout``)."""
 
     def create_array(self, path: str, spec: ArraySpec) -> Any:
         """Write the array's zarr.json; returns a future."""
@@ -353,15 +325,24 @@ class Storage(ABC):
         """Write a group's zarr.json ('' for the root); returns a future."""
         return self.put(f"{path}/zarr.json" if path else "zarr.json", GROUP_METADATA)
 
-    @abstractmethod
     def open_arrays(self, arrays: dict[Any, tuple[str, ArraySpec]]) -> dict[Any, Any]:
         """Handles to write chunks of many arrays (by caller's key), without touching storage."""
+        raise NotImplementedError
 
-    @abstractmethod
     def write_chunk(self, handle: Any, box: Box, data: np.ndarray) -> Any:
         """Write one whole chunk (`box` is the chunk's region of the array, `data` its values, in
         the storage dtype); returns a future, durable once it resolves. The caller owns `data` and
         does not change it until then."""
+        raise NotImplementedError
+
+    def read_exact(self, key: str, nbytes: int, into: np.ndarray | None = None) -> np.ndarray:
+        """The object's bytes into a fresh 64-byte-aligned uint8 buffer. FileNotFoundError when
+        missing; CheckpointError naming the object when it does not hold exactly `nbytes` (no
+        more than `nbytes` is ever read, nor allocated before the size is known to fit) or is not
+        a plain object. `into`: a page-aligned uint8 buffer of `nbytes` rounded up to whole pages
+        plus one page, which engines with ``caps.reads_into_buffers`` read into (the result is
+        then a view of it); others ignore it."""
+        raise NotImplementedError
 
     def read_chunk(self, path: str, index: tuple[int, ...], nbytes: int, into: np.ndarray | None = None) -> np.ndarray:
         """The bytes of one chunk file of the array at `path` (see read_exact)."""
@@ -376,6 +357,54 @@ class Storage(ABC):
         it to issue the read from the calling thread, with the same checks as read_exact."""
         return executor.submit(self.read_chunk, path, index, nbytes, into)
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.url!r})"
+
+class LocalDirectory:
+    """The optional protocol of a location that is a directory of the local file system
+    (``caps.renames``): its path, the commit's directory fsync, and reads pinned to the directory
+    that was there when they began. Reach it through ``pinned``, ``usage``, ``make_dirs``."""
+
+    root: str
+
+    def make_dirs(self) -> None:
+        """Create this directory (and its parents)."""
+        raise NotImplementedError
+
+    def sync(self, key: str = "") -> None:
+        """fsync the file or directory `key`."""
+        raise NotImplementedError
+
+    def pin(self) -> contextlib.AbstractContextManager["Storage"]:
+        """A context whose storage keeps reading what is at this location now, even if the
+        location is replaced meanwhile (an overwrite's rename): a reader never mixes two
+        checkpoints."""
+        raise NotImplementedError
+
+    def du(self) -> Usage:
+        """Bytes, files and newest modification time at or below this directory."""
+        raise NotImplementedError
+
+
+def name_of(store: Storage) -> str:
+    """The last component of the location."""
+    return store.url.rstrip("/").rsplit("/", 1)[-1]
+
+
+def pinned(store: Storage) -> contextlib.AbstractContextManager[Storage]:
+    """A context whose storage keeps reading what is at `store`'s location now, even if it is
+    replaced meanwhile: a local directory read through the descriptor it was opened by; elsewhere
+    the store itself (generations are never rewritten)."""
+    return store.pin() if store.caps.renames else contextlib.nullcontext(store)
+
+
+def usage(store: Storage) -> Usage | None:
+    """Bytes, objects and newest modification time at or below the location, or None where the
+    engine cannot tell without reading every object (``ckpt ls`` then sizes committed
+    checkpoints from their manifests)."""
+    return store.du() if store.caps.renames else None
+
+
+def make_dirs(store: Storage) -> None:
+    """Create the location where the backend has directories (a no-op on object stores)."""
+    if store.caps.renames:
+        store.make_dirs()
 

@@ -22,6 +22,7 @@ from ckpt._errors import CheckpointError
 from ckpt._format import ArraySpec
 from ckpt._geometry import Box, chunk_index_of, chunk_key
 from ckpt.storage._base import (
+    ChunkFiles,
     StoreCaps,
     READ_PIECE,
     Storage,
@@ -100,7 +101,7 @@ class _Future:
         return self._future.cancel()
 
 
-class FsspecStorage(Storage):
+class FsspecStorage(ChunkFiles, Storage):
     """A location in an fsspec file system, seen through a zarr ``FsspecStore``.
 
     `fs`: the fsspec file system; `path`: the location in it (no trailing '/'); `url`: as shown.
@@ -337,10 +338,9 @@ class FsspecStorage(Storage):
         return out.get("ETag") or True
 
     def exists(self, key: str) -> bool:
+        if not key:
+            return not self._sync(self.store.is_empty(""), self.url)
         return bool(self._sync(self.store.exists(key), self.where(key)))
-
-    def exists_any(self) -> bool:
-        return not self._sync(self.store.is_empty(""), self.url)
 
     def stat_many(self, keys) -> dict[str, int | None]:
         """On object stores, sizes from one recursive listing (s3fs / gcsfs ``find``: a LIST per

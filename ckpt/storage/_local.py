@@ -37,6 +37,8 @@ from ckpt._format import ArraySpec
 from ckpt._geometry import Box, chunk_index_of, chunk_key
 from ckpt._memory import aligned_empty
 from ckpt.storage._base import (
+    ChunkFiles,
+    LocalDirectory,
     StoreCaps,
     Usage,
     check_range,
@@ -134,7 +136,7 @@ def _refusal(where: str, st: os.stat_result | None, wanted: str) -> CheckpointEr
     return CheckpointError(f"{where} is not {wanted} ({kind})")
 
 
-class LocalStorage(TensorStoreStorage):
+class LocalStorage(LocalDirectory, TensorStoreStorage):
     """A directory on the local file system (`root`: an absolute path). `pinned_fd`: an open
     descriptor of the directory that every read goes through (see ``pin``)."""
 
@@ -167,10 +169,6 @@ class LocalStorage(TensorStoreStorage):
 
     def parent(self) -> "LocalStorage":
         return LocalStorage(os.path.dirname(self.root), self._concurrency)
-
-    @property
-    def name(self) -> str:
-        return os.path.basename(self.root)
 
     @property
     def resolved_name(self) -> str:
@@ -376,11 +374,18 @@ class LocalStorage(TensorStoreStorage):
             self._chunk_writer = ChunkFileWriter(self.root, self._concurrency)
         return self._chunk_writer.write(f"{path}/{chunk_key(chunk_index_of(box, chunk_shape))}", data, size)
 
+    # Chunk files are read by the engine's own direct I/O (read_exact: into an aligned buffer,
+    # sized by fstat first) on the reader's pool, not by TensorStore's asynchronous reads.
+    read_chunk_async = ChunkFiles.read_chunk_async
+
     def open_pack(self, key: str) -> PackFile:
         return PackFile(self._path(key), self._concurrency)
 
     def exists(self, key: str) -> bool:
-        """Whether `key` is a regular file reached without following links."""
+        """Whether `key` is a regular file reached without following links ('': whether the
+        directory itself exists)."""
+        if not key:
+            return os.path.lexists(self.root)
         try:
             with self._parent_fd(key) as (dir_fd, name):
                 return stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
@@ -403,9 +408,6 @@ class LocalStorage(TensorStoreStorage):
         path = self._path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_file_synced(path, data, exclusive=True)
-
-    def exists_any(self) -> bool:
-        return os.path.lexists(self.root)
 
     def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
         files, dirs = [], []

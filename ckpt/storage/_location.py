@@ -18,16 +18,17 @@ has no explicit route, TensorStore's GCS endpoint, is the user's to set (``gcs_e
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 from ckpt._errors import CheckpointError
-from ckpt._options import REQUEST_TIMEOUT_S, Options
+from ckpt._options import ENGINE_NAMES, REQUEST_TIMEOUT_S, Options
 from ckpt.storage._base import Storage
 
 TENSORSTORE_SCHEMES = ("memory", "s3", "gs")
-ENGINES = ("local", "tensorstore", "fsspec")
+ENGINES = ENGINE_NAMES
 
 
 def location_text(location: Any) -> str:
@@ -178,6 +179,8 @@ def open_storage(location: Any, options: Options) -> Storage:
     engine = engine or default_engine(text)
     if engine not in ENGINES:
         raise ValueError(f"unknown storage engine {engine!r}; engines: {', '.join(ENGINES)}")
+    if scheme_of(text) == "file":
+        _check_no_file_above(text)
     storage_options = dict(options.storage_options or {})
     concurrency = options.io_concurrency
     request_timeout = options.request_timeout_s or REQUEST_TIMEOUT_S
@@ -227,6 +230,22 @@ def open_storage(location: Any, options: Options) -> Storage:
         fs.retries = S3FS_RETRIES
     return FsspecStorage(fs, path, text, concurrency,
                          timeout_s=None if scheme in ("file", "local") else request_timeout)
+
+
+def _check_no_file_above(text: str) -> None:
+    """NotADirectoryError naming the file when a directory above the local location `text` is a
+    file (``save("train.py/ckpt")``): what would otherwise fail later as a bare "[Errno 17] File
+    exists" or "Not a directory"."""
+    path = os.path.abspath(os.path.expanduser(unquote(urlparse(text).path) if "://" in text else text))
+    parent = os.path.dirname(path)
+    while parent and not os.path.isdir(parent):
+        if os.path.lexists(parent):
+            raise NotADirectoryError(errno.ENOTDIR, f"{parent} is a file, not a directory: nothing can be "
+                                     f"stored or read under it", path)
+        above = os.path.dirname(parent)
+        if above == parent:
+            return
+        parent = above
 
 
 def _fs_class(scheme: str) -> type:

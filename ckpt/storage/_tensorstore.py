@@ -19,6 +19,7 @@ from ckpt._errors import CheckpointError
 from ckpt._format import ArraySpec, zarr_metadata
 from ckpt._geometry import Box, box_to_index, chunk_index_of, chunk_key
 from ckpt.storage._base import (
+    ChunkFiles,
     StoreCaps,
     Storage,
     check_range,
@@ -260,7 +261,7 @@ def _refuse_longer(probe, where: str, nbytes: int, timeout_s: float | None = Non
         raise too_large(where, nbytes)
 
 
-class TensorStoreStorage(Storage):
+class TensorStoreStorage(ChunkFiles, Storage):
     """A location in a TensorStore kvstore (`kvstore`: a kvstore spec whose path ends in '/')."""
 
     caps = StoreCaps("tensorstore", reads_into_buffers=True)
@@ -395,10 +396,6 @@ class TensorStoreStorage(Storage):
         buffer (`into` where given) the parts are copied into as they are taken. Same checks as
         read_exact: a confined key, never more than `nbytes` read, a shorter object is an error,
         and a longer one too (told by a one-byte probe, except on S3 and GCS: see _ObjectRead)."""
-        if type(self).read_exact is not TensorStoreStorage.read_exact:
-            # A subclass that reads files its own way (local disk: direct I/O into an aligned
-            # buffer, sized by fstat first) keeps it, on the reader's pool.
-            return Storage.read_chunk_async(self, path, index, nbytes, executor, into)
         return _ObjectRead(self, f"{path}/{chunk_key(index)}", nbytes, into, None)
 
     def _object_read_done(self) -> None:
@@ -472,6 +469,8 @@ class TensorStoreStorage(Storage):
         return [k.decode("utf-8", "surrogateescape") for k in keys]
 
     def exists(self, key: str) -> bool:
+        if not key:
+            return bool(self._list(""))
         # One LIST of the keys from `key` up to its successor (not a read of the object). Without
         # strip_prefix_length: TensorStore drops keys that it strips to '' (the s3 kvstore does).
         rng = ts.KvStore.KeyRange(key, _successor(key))
@@ -482,9 +481,6 @@ class TensorStoreStorage(Storage):
         except Exception as e:
             raise storage_error(e, self.where(key)) from None
         return key.encode("utf-8", "surrogateescape") in keys
-
-    def exists_any(self) -> bool:
-        return bool(self._list(""))
 
     def stat_many(self, keys) -> dict[str, int | None]:
         """-1 for each key that exists, None for a missing one, from one listing of everything

@@ -6,10 +6,12 @@ sees every primitive of a save, restore or manager: chunk and metadata writes, r
 deletion, and every byte of the commit (owner records, the manifest write, the syncs), which
 ``ckpt._commit`` builds on these primitives. The test suite injects its faults this way.
 
-Every member of the Storage interface is defined here (tests/test_storage_interface.py checks it
-against the interface), so that a wrapped storage does what the inner one does: the inner
+Every member of the Storage interface and of the optional protocols (``ChunkFiles``,
+``LocalDirectory``, versioned writes, ``open_pack``) is defined here (tests/test_storage_interface.py
+checks it against them), so that a wrapped storage does what the inner one does: the inner
 engine's own ``read_chunk_async`` (asynchronous I/O issued from the reader's thread), ``du``,
-``read_range`` and the rest, never the base class's fallback.
+``read_range`` and the rest, never a fallback. An optional member is called only where the inner
+storage's ``caps`` declare it.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import numpy as np
 
 from ckpt._format import ArraySpec
 from ckpt._geometry import Box
-from ckpt.storage._base import Storage, StoreCaps, Usage
+from ckpt.storage._base import ChunkFiles, LocalDirectory, Storage, StoreCaps, Usage
 
 
-class WrapperStorage(Storage):
+class WrapperStorage(ChunkFiles, LocalDirectory, Storage):
     def __init__(self, inner: Storage):
         self.inner = inner
 
@@ -45,10 +47,6 @@ class WrapperStorage(Storage):
     def root(self) -> str:
         """The directory of a store with ``renames`` (local disk), for the rename commit."""
         return self.inner.root
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
 
     def where(self, key: str) -> str:
         return self.inner.where(key)
@@ -100,9 +98,6 @@ class WrapperStorage(Storage):
 
     def exists(self, key: str) -> bool:
         return self.inner.exists(key)
-
-    def exists_any(self) -> bool:
-        return self.inner.exists_any()
 
     def list_dir(self, prefix: str = "") -> tuple[list[str], list[str]]:
         return self.inner.list_dir(prefix)
