@@ -46,6 +46,21 @@ def test_the_save_never_probes_an_object_for_what_it_can_do():
     assert not found, f"getattr/hasattr probes in ckpt/_save/: {found}"
 
 
+def test_the_restore_never_probes_a_storage_or_reader_for_what_it_can_do():
+    """A store declares what it can do (``caps``); a chunk source that reads runs of chunks is a
+    ``ChunkRuns`` (``isinstance``, once). The getattr left in ckpt/_restore/ look at JAX objects
+    whose attributes differ between JAX versions (a sharding's memory kind, a target's format, a
+    mesh's axis types), never at a storage, a reader or a writer."""
+    found = []
+    for path, tree in _code("_restore"):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+                what = ast.unparse(node.args[0]) if node.args else ""
+                if any(w in what.lower() for w in ("storage", "store", "inner", "reader", "writer", "source", "options")):
+                    found.append(f"{path}:{node.lineno} {ast.unparse(node)}")
+    assert not found, found
+
+
 def test_no_module_of_the_save_branches_on_the_layout():
     found = []
     for path, tree in _code("_save"):

@@ -7,13 +7,13 @@ encoding (today: its raw little-endian bytes) is the writers' business, in one p
 from __future__ import annotations
 
 from ckpt._layout.arrays import array_specs, group_paths, metadata_share
-from ckpt._layout.base import FILES, PACKED, ChunkWriter, ManifestParts, SaveFacts, SaveLayout, layout_name
+from ckpt._layout.base import FILES, PACKED, ChunkRuns, ChunkWriter, ManifestParts, SaveFacts, SaveLayout, layout_name
 from ckpt._layout.files import FilesSave, commit_written
 from ckpt._layout.pack_writer import PackWriter
 from ckpt._layout.packed import PackedSave, commit_packed
 
 __all__ = [
-    "FILES", "PACKED", "ChunkWriter", "FilesSave", "ManifestParts", "PackWriter", "PackedSave", "SaveFacts",
+    "FILES", "PACKED", "ChunkRuns", "ChunkWriter", "FilesSave", "ManifestParts", "PackWriter", "PackedSave", "SaveFacts",
     "SaveLayout",
     "array_specs", "commit_packed", "commit_written", "group_paths", "layout_name", "metadata_share",
     "save_layout",

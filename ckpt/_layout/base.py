@@ -106,3 +106,15 @@ class SaveLayout(ABC):
     def commit(self, facts: SaveFacts, statuses: list[dict]) -> None:
         """The primary, once every process reported: build the manifest from the statuses and
         commit it (``ckpt._commit``)."""
+
+
+class ChunkRuns(ABC):
+    """The optional protocol of a chunk reader that reads many chunks at once (a packed
+    checkpoint: the chunks that follow each other in a data object, as one range); the restore's
+    reader asks for a batch's chunks together where its source is one (checked once, with
+    ``isinstance``), and one by one (``read_chunk_async``) elsewhere."""
+
+    @abstractmethod
+    def read_chunks(self, requests: list[tuple], executor: Any) -> dict[Any, Any]:
+        """Start reading many chunks: {key: future of its bytes} for `requests` of (key, array
+        path, chunk index, bytes)."""

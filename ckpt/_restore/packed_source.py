@@ -21,7 +21,8 @@ import numpy as np
 from ckpt._errors import CheckpointError
 from ckpt._format import Manifest, PackedIndex, chunk_holders, decode_index, display_path
 from ckpt._geometry import chunk_grid, flat_chunk_index
-from ckpt.storage import Done, Storage, WrapperStorage
+from ckpt._layout import ChunkRuns
+from ckpt.storage import ChunkFiles, Done, Storage, WrapperStorage
 
 # read_chunks reads chunks of one data object as one range when at most MERGE_GAP bytes lie
 # between them (the alignment padding of SPEC 13.2) and the range stays within MERGE_MAX (the
@@ -42,8 +43,7 @@ class _Part:
         return self._whole.result(timeout)[self._start:self._start + self._length]
 
     def done(self) -> bool:
-        done = getattr(self._whole, "done", None)
-        return done() if done is not None else False
+        return self._whole.done()
 
 
 class _Once:
@@ -77,12 +77,12 @@ class _Once:
 MAX_OBJECT_BYTES = 1 << 62
 
 
-class PackedChunks(WrapperStorage):
+class PackedChunks(WrapperStorage, ChunkRuns):
     """`inner` (a packed checkpoint's location) read chunk by chunk through its index objects."""
 
-    # The Reader issues reads on its executor (the index lookup runs there too); the inner
-    # engine's asynchronous chunk reads take Zarr keys, which a packed checkpoint does not have.
-    read_chunk_async = None
+    # The Reader's executor reads a chunk (the index lookup runs there too): the inner engine's
+    # asynchronous chunk reads take Zarr keys, which a packed checkpoint does not have.
+    read_chunk_async = ChunkFiles.read_chunk_async
 
     def __init__(self, inner: Storage, manifest: Manifest, process: int = 0) -> None:
         super().__init__(inner)
@@ -227,13 +227,12 @@ class PackedChunks(WrapperStorage):
         length = run[-1][0] + run[-1][1] - start
         # The engine's own asynchronous ranged read where it has one (TensorStore on object
         # stores), else a read on the executor.
-        issue = getattr(self.inner, "read_range_async", None)
-        try:
-            whole = issue(name, start, length) if issue is not None else None
-            whole = _Once(whole) if whole is not None else None
-        except (OSError, CheckpointError) as e:  # (reported by each chunk of the range)
-            whole = Done(error=e)
-        if whole is None:
+        if self.inner.caps.async_ranges:
+            try:
+                whole = _Once(self.inner.read_range_async(name, start, length))
+            except (OSError, CheckpointError) as e:  # (reported by each chunk of the range)
+                whole = Done(error=e)
+        else:
             whole = executor.submit(self.inner.read_range, name, start, length)
         self.ranges_read += 1
         for offset, length, key in run:

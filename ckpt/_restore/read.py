@@ -46,6 +46,7 @@ from ckpt._memory import PAGE, ReadBuffers, aligned_empty
 from ckpt._options import Options
 from ckpt._restore.place import BATCH_PUT_MAX_BYTES, HostBudget, _Build, _Lease, _Piece, _split, _Unit
 from ckpt._restore.plan import PLAN_BYTES_PER_CHUNK, LeafReadPlan, plan_budget, _key_data_sharding, _Want, cast_values, held_note, plan_leaf_read
+from ckpt._layout import ChunkRuns
 from ckpt.storage import Done, Storage, StoreCaps
 
 
@@ -96,6 +97,7 @@ class Reader:
         # Read buffers reused batch after batch, where the engine reads into given buffers.
         self.caps = storage.caps if storage is not None else StoreCaps()  # (None: a planner only)
         self.buffers = ReadBuffers(self.budget) if self.caps.reads_into_buffers else None
+        self._runs = isinstance(storage, ChunkRuns)  # (reads a batch's chunks together)
         self._plans: dict[tuple, LeafReadPlan] = {}
         self._planned = 0  # chunks in self._plans, bounded by the budget (plan.check_plan_size)
         self._bounds: dict[int, Box] = {}  # id(a template's regions) -> their bounding box (_groups)
@@ -408,8 +410,8 @@ class Reader:
 
     def issue(self, key: tuple, lease: _Lease, executor: ThreadPoolExecutor, into: np.ndarray | None = None) -> Any:
         """Start reading a source: a future of its raw bytes (inline data: its array, at hand).
-        Engines with their own asynchronous I/O (``Storage.read_chunk_async``) issue the read
-        from this thread; others read on `executor`. `into`: a buffer from ``self.buffers``."""
+        The source's ``read_chunk_async`` issues it: from this thread where the engine has
+        asynchronous I/O of its own, else on `executor`. `into`: a buffer from ``self.buffers``."""
         rec, _ = self._sources[key]
         if key[0] == "i":
             a = _dtypes.to_storage(rec.inline_array())
@@ -420,12 +422,9 @@ class Reader:
         # array is padding, which the checksum does not cover).
         padded = math.prod(st.chunk_shape) * np.dtype(st.data_type).itemsize
         lease.take(padded)
-        read_async = getattr(self.storage, "read_chunk_async", None)
         try:
             extra = () if into is None else (into,)
-            if read_async is not None:
-                return read_async(st.path, key[2], padded, executor, *extra)
-            return executor.submit(self.storage.read_chunk, st.path, key[2], padded, *extra)
+            return self.storage.read_chunk_async(st.path, key[2], padded, executor, *extra)
         except (OSError, CheckpointError) as e:  # reported where the chunk is used, naming it
             return Done(error=e)
 
@@ -433,8 +432,7 @@ class Reader:
         """Where the storage reads many chunks at once (``read_chunks``: a packed checkpoint,
         whose chunks that follow each other in a data object are read as one range): start
         every chunk read of a batch so, {key: future}; {} elsewhere (``issue`` one by one)."""
-        read_chunks = getattr(self.storage, "read_chunks", None)
-        if read_chunks is None:
+        if not self._runs:
             return {}
         requests = []
         for key in keys:
@@ -444,7 +442,7 @@ class Reader:
             padded = math.prod(st.chunk_shape) * np.dtype(st.data_type).itemsize
             lease.take(padded)
             requests.append((key, st.path, key[2], padded))
-        return read_chunks(requests, executor)
+        return self.storage.read_chunks(requests, executor)
 
     def finish(self, key: tuple, future: Any, lease: _Lease) -> np.ndarray:
         """A source's array (storage dtype) once read: a chunk checked against its CRC-32C, a

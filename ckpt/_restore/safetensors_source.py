@@ -48,7 +48,7 @@ from ckpt._format import dtypes as _dtypes
 from ckpt._geometry import Box, box_shape, chunk_box, chunk_grid, index_to_box
 from ckpt._memory import aligned_empty
 from ckpt._options import Options, resolve
-from ckpt.storage import Storage, StoreCaps, location_text, open_storage, pinned
+from ckpt.storage import ChunkFiles, Storage, StoreCaps, location_text, open_storage, pinned
 
 # safetensors dtype codes and the numpy/ml_dtypes names they are (byte-sized types only: the
 # packed 4- and 6-bit types F4, F6_E2M3, F6_E3M2 are refused).
@@ -278,7 +278,7 @@ def is_safetensors(location: Any, options: Options | None = None) -> bool:
     """Whether `location` names safetensors rather than a jax-ckpt checkpoint: a ``.safetensors``
     file, a ``.safetensors.index.json``, or a local directory without a manifest that holds
     them. Cheap: at most a stat for a local checkpoint, no I/O for a URL."""
-    if callable(getattr(options, "engine", None)):
+    if options is not None and callable(options.engine):
         return False  # a custom engine decides what its locations are
     try:
         text = location_text(location)
@@ -436,6 +436,7 @@ class _ChunkSource:
     of leaf i is its box of tensor i, read as byte ranges."""
 
     caps = StoreCaps("safetensors")  # (ranged reads into fresh buffers, no read window)
+    read_chunk_async = ChunkFiles.read_chunk_async  # (read_chunk on the reader's executor)
 
     def __init__(self, tset: TensorSet, leaves: list[LeafRecord]):
         self.tset, self.leaves = tset, leaves

@@ -189,6 +189,8 @@ class StoreCaps:
     response_part_bytes: the engine holds each ranged response (of this many bytes) whole in
       memory of its own until it is taken (TensorStore on object stores): the reader bounds its
       batches by it. None: reads land in the caller's buffers.
+    async_ranges: ``read_range_async(key, start, length)`` issues a ranged read from the calling
+      thread and returns its future (TensorStore), instead of a blocking ``read_range`` on a pool.
     """
 
     engine: str = "?"
@@ -199,6 +201,7 @@ class StoreCaps:
     reads_refuse_longer: bool = True
     writes_in_place: bool = False
     response_part_bytes: int | None = None
+    async_ranges: bool = False
 
 
 class Storage(ABC):

@@ -17,6 +17,7 @@ storage's ``caps`` declare it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Iterator
 
 import numpy as np
@@ -37,7 +38,10 @@ class WrapperStorage(ChunkFiles, LocalDirectory, Storage):
 
     @property
     def caps(self) -> StoreCaps:  # type: ignore[override]
-        return self.inner.caps
+        # Ranged reads go through read_range, which a wrapper sees, never through the inner
+        # engine's asynchronous ranged reads.
+        caps = self.inner.caps
+        return dataclasses.replace(caps, async_ranges=False) if caps.async_ranges else caps
 
     @property
     def url(self) -> str:
