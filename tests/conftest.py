@@ -4,6 +4,7 @@ Fixtures: ``location`` / ``module_location`` run a test (or a module's shared ch
 on local disk and once on ``memory://`` (support.Location)."""
 
 import os
+import signal
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -31,3 +32,19 @@ def module_location(request, tmp_path_factory):
     loc = Location.make(request.param, tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]))
     yield loc
     loc.cleanup()
+
+
+@pytest.fixture
+def sigterm_recorder():
+    """(received, recorder): a Python SIGTERM handler standing in for the default, recording
+    the signals it gets; the handler before it is put back afterwards."""
+    received = []
+
+    def recorder(signum, frame):
+        received.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, recorder)
+    try:
+        yield received, recorder
+    finally:
+        signal.signal(signal.SIGTERM, previous)

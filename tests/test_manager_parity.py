@@ -177,22 +177,6 @@ def test_preemption_sync_point_saves_off_interval(location, monkeypatch):
     _check(ckpt.restore(manager.step_path(13)), 13)
 
 
-@pytest.fixture
-def sigterm_recorder():
-    """(received, recorder): a Python SIGTERM handler standing in for the default, recording
-    the signals it gets; the handler before it is put back afterwards."""
-    received = []
-
-    def recorder(signum, frame):
-        received.append(signum)
-
-    previous = signal.signal(signal.SIGTERM, recorder)
-    try:
-        yield received, recorder
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def test_sigterm_saves_the_next_step_then_reaches_the_previous_handler(tmp_path, sigterm_recorder):
     """This process only: SIGTERM to itself, with a Python handler standing in for the default."""
     received, recorder = sigterm_recorder

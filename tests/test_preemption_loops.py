@@ -117,26 +117,10 @@ def test_a_loop_calling_the_manager_only_at_its_saves_ends_at_the_notice(tmp_pat
     _check_step(directory, 0)
 
 
-@pytest.fixture
-def recorder():
-    """The SIGTERM handler before the manager's: a Python one recording what it gets (standing in
-    for the default, which would end the test process); put back afterwards."""
-    received = []
-
-    def record(signum, frame):
-        received.append(signum)
-
-    previous = signal.signal(signal.SIGTERM, record)
-    try:
-        yield received, record
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def test_a_notice_nobody_listens_for_waits_for_the_save_in_flight(tmp_path, recorder, monkeypatch):
+def test_a_notice_nobody_listens_for_waits_for_the_save_in_flight(tmp_path, sigterm_recorder, monkeypatch):
     """The loop called the manager at step 0 only: the notice goes on once the save in flight
     has committed (from a thread that sends the signal again, handed on by the main thread)."""
-    recorder, record = recorder
+    recorder, record = sigterm_recorder
     manager = ckpt.CheckpointManager(tmp_path / "run", save_interval_steps=300)
     manager.save(0, {"w": np.arange(4.0)})
     manager.wait()

@@ -129,19 +129,16 @@ def _optional_calls(state: dict, local: bool) -> list[tuple[str, object]]:
     return chunk_files + (directory if local else [])
 
 
-@pytest.mark.parametrize("kind", ["memory", "local"])
-def test_every_optional_member_a_wrapper_forwards_reaches_the_inner_storage(kind, tmp_path):
-    """The members of the optional protocols an engine declares in its caps reach it through a
-    wrapper as themselves (the engine's own, never a fallback)."""
+def _each_call_reaches_the_inner_storage(kind: str, tmp_path, calls_of) -> None:
+    """Call each (member, call) of `calls_of(state, inner)` on a wrapper of a `kind` storage; each
+    must reach the inner storage as itself."""
     inner_seen: list[str] = []
     loc = Location.make(kind, tmp_path)
     inner = _recording(open_storage(loc("c"), ckpt.Options().resolved()), inner_seen)
     wrapper = _recording_wrapper([])(inner)
     state = {"pool": ThreadPoolExecutor(2)}
-    calls = _optional_calls(state, local=inner.caps.renames)
-    assert inner.caps.renames == (kind == "local") and inner.caps.writes_in_place == (kind == "local")
     try:
-        for member, call in calls:
+        for member, call in calls_of(state, inner):
             inner_seen.clear()
             call(wrapper)
             assert member in inner_seen, f"{member} did not reach the inner storage: {inner_seen}"
@@ -151,25 +148,27 @@ def test_every_optional_member_a_wrapper_forwards_reaches_the_inner_storage(kind
 
 
 @pytest.mark.parametrize("kind", ["memory", "local"])
+def test_every_optional_member_a_wrapper_forwards_reaches_the_inner_storage(kind, tmp_path):
+    """The members of the optional protocols an engine declares in its caps reach it through a
+    wrapper as themselves (the engine's own, never a fallback)."""
+
+    def calls_of(state, inner):
+        assert inner.caps.renames == (kind == "local") and inner.caps.writes_in_place == (kind == "local")
+        return _optional_calls(state, local=inner.caps.renames)
+
+    _each_call_reaches_the_inner_storage(kind, tmp_path, calls_of)
+
+
+@pytest.mark.parametrize("kind", ["memory", "local"])
 def test_every_call_on_a_wrapper_reaches_the_inner_storage(kind, tmp_path):
     """Each member called on a wrapper reaches the inner storage as itself."""
-    inner_seen: list[str] = []
-    wrapper_seen: list[str] = []
-    loc = Location.make(kind, tmp_path)
-    inner = _recording(open_storage(loc("c"), ckpt.Options().resolved()), inner_seen)
-    wrapper = _recording_wrapper(wrapper_seen)(inner)
-    state = {"pool": ThreadPoolExecutor(2)}
-    calls = _calls(state)
-    assert sorted(m for m, _ in calls) == INTERFACE, "a member of the interface has no call here: add one"
-    try:
-        for member, call in calls:
-            inner_seen.clear()
-            wrapper_seen.clear()
-            call(wrapper)
-            assert member in inner_seen, f"{member} did not reach the inner storage: {inner_seen}"
-    finally:
-        state["pool"].shutdown()
-        loc.cleanup()
+
+    def calls_of(state, inner):
+        calls = _calls(state)
+        assert sorted(m for m, _ in calls) == INTERFACE, "a member of the interface has no call here: add one"
+        return calls
+
+    _each_call_reaches_the_inner_storage(kind, tmp_path, calls_of)
 
 
 @pytest.mark.parametrize("kind", ["memory", "local"])

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+
+from workers import run_workers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LONG = os.environ.get("CKPT_ADVERSARIAL") == "long"
@@ -27,25 +28,12 @@ EXAMPLES = int(os.environ.get("CKPT_FUZZ_EXAMPLES", 20000 if LONG else 60))
 def _run_workers(tmp_path) -> list[dict]:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                MALLOC_ARENA_MAX="2")
-    procs = []
+    jobs = []
     for k in range(SHARDS):
         out = tmp_path / f"shard{k}.json"
-        args = [sys.executable, os.path.join(HERE, "worker.py"), "--shard", f"{k}/{SHARDS}",
-                "--examples", str(EXAMPLES // SHARDS), "--out", str(out)] + (["--long"] if LONG else [])
-        log = open(tmp_path / f"shard{k}.log", "wb")
-        procs.append((subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT), out, log))
-    results = []
-    for proc, out, log in procs:
-        try:
-            rc = proc.wait(timeout=None if LONG else 600)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            log.close()
-        text = (tmp_path / os.path.basename(log.name)).read_text(errors="replace")
-        assert rc == 0 and out.exists(), f"worker crashed (rc {rc}):\n{text[-4000:]}"
-        results.append(json.loads(out.read_text()))
-    return results
+        jobs.append(([sys.executable, os.path.join(HERE, "worker.py"), "--shard", f"{k}/{SHARDS}",
+                      "--examples", str(EXAMPLES // SHARDS), "--out", str(out)] + (["--long"] if LONG else []), out))
+    return run_workers(jobs, env, tmp_path, None if LONG else 600)
 
 
 def test_hostile_checkpoints_and_fuzz_only_raise_checkpoint_or_os_errors(tmp_path, record_property):

@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 
+from workers import run_workers
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 LONG = os.environ.get("CKPT_ADVERSARIAL") == "long"
@@ -76,26 +78,13 @@ def run_save_4(w) -> None:
 
 def _run(tmp_path, jobs: list[tuple[str, int, str]]) -> list[dict]:
     """One worker per (pristine, processes, shard), all at once."""
-    procs = []
+    work = []
     for k, (pristine, processes, shard) in enumerate(jobs):
         out = tmp_path / f"w{k}.json"
-        args = [sys.executable, os.path.join(HERE, "worker_packed.py"), "--pristine", pristine, "--processes",
-                str(processes), "--shard", shard, "--examples", str(EXAMPLES // len(jobs)),
-                "--out", str(out)] + (["--long"] if LONG else [])
-        log = open(tmp_path / f"w{k}.log", "wb")
-        procs.append((subprocess.Popen(args, env=_env(), stdout=log, stderr=subprocess.STDOUT), out, log))
-    results = []
-    for proc, out, log in procs:
-        try:
-            rc = proc.wait(timeout=None if LONG else 600)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            log.close()
-        text = open(log.name, errors="replace").read()
-        assert rc == 0 and out.exists(), f"worker crashed (rc {rc}):\n{text[-4000:]}"
-        results.append(json.loads(out.read_text()))
-    return results
+        work.append(([sys.executable, os.path.join(HERE, "worker_packed.py"), "--pristine", pristine, "--processes",
+                      str(processes), "--shard", shard, "--examples", str(EXAMPLES // len(jobs)),
+                      "--out", str(out)] + (["--long"] if LONG else []), out))
+    return run_workers(work, _env(), tmp_path, None if LONG else 600)
 
 
 def test_hostile_packed_checkpoints_refuse_or_restore_within_the_budget(tmp_path, record_property):
