@@ -404,7 +404,7 @@ class Figures:
 def _cap() -> int:
     """The chunk cap of a save with the default options and a 16 GiB host budget (a 64 GiB
     host): save_chunk_cap, i.e. max_chunk_bytes (64 MiB)."""
-    from ckpt._options import MAX_CHUNK_BYTES
+    from ckpt._host import MAX_CHUNK_BYTES
 
     return min(MAX_CHUNK_BYTES, HOST_BUDGET // 4)
 
@@ -432,7 +432,7 @@ def _tree_leaves(tree: str) -> tuple[dict, list]:
 def arrays_of(tree: str, processes: int):
     """(leaves (path, shape, dtype, spec), ArrayShards of each) as array_shards gives them:
     every unique region of each array with its (process, device) holders."""
-    from ckpt._format import dtypes as _dtypes
+    from ckpt._format import dtype_from_name
     from ckpt._save.plan import ArrayShards, chunk_shape_for
 
     _, dp = TREES[tree]
@@ -454,7 +454,7 @@ def arrays_of(tree: str, processes: int):
             cache[key] = {tuple((a * k, b * k) for (a, b), k in zip(box, shard)): h
                           for box, h in grids[(parts, spec)].items()}
         holders = cache[key]
-        itemsize = _dtypes.dtype_from_name(dtype).itemsize
+        itemsize = dtype_from_name(dtype).itemsize
         box = next(iter(holders))
         chunk = chunk_shape_for(tuple(b - a for a, b in box), itemsize, cap)
         out.append(ArrayShards(i, itemsize, holders, shape, dtype, chunk))
@@ -462,7 +462,7 @@ def arrays_of(tree: str, processes: int):
 
 
 def _plan(arrays, process: int):
-    from ckpt._options import PACK_LIMIT
+    from ckpt._host import PACK_LIMIT
     from ckpt._save.plan import STACK_CHUNK_BYTES, plan_save
 
     cap = _cap()
@@ -519,7 +519,7 @@ def save_leaves(tree: str, processes: int, arrays, plan):
     """(tree encoding, Leaf of every leaf with its record, stacks, array specs) as the save's
     describe / finish_array_records / bundle_records / array_specs make them."""
     from ckpt._format import JAX_ARRAY, LeafRecord, storage_paths
-    from ckpt._format import dtypes as _dtypes
+    from ckpt._format import dtype_from_name
     from ckpt._geometry import ShardingInfo, fit_spec, normalize_spec
     from ckpt._save.plan import Leaf, finish_array_records, bundle_records
     from ckpt._layout import array_specs
@@ -531,7 +531,7 @@ def save_leaves(tree: str, processes: int, arrays, plan):
     for (path, shape, dtype, spec), a in zip(described, arrays):
         info = ShardingInfo("named", tuple(axes), tuple(axes.values()), fit_spec(normalize_spec(spec), len(shape)))
         rec = LeafRecord(path, JAX_ARRAY, tuple(shape), dtype, info.to_record())
-        leaves.append(Leaf(rec, source, tuple(a.chunk_shape), _dtypes.dtype_from_name(dtype)))
+        leaves.append(Leaf(rec, source, tuple(a.chunk_shape), dtype_from_name(dtype)))
     finish_array_records(leaves, storage_paths([tuple(path.split("/")) for path, *_ in described]))
     stacks = bundle_records(leaves, plan)
     return encoding, leaves, stacks, array_specs(leaves, stacks)
@@ -653,7 +653,7 @@ def restore_lookups(root, manifest, held, process: int) -> tuple[int, object, in
     batch, as a restore whose host budget holds the process's part (16 GiB here)."""
     import itertools
 
-    from ckpt._restore.packed_source import PackedChunks
+    from ckpt._layout import PackedChunks
 
     class Counting:
         def submit(self, fn, *args):
@@ -696,7 +696,7 @@ def simulate(tree: str, processes: int, *, straggler_s: float = 0.0, coordinatio
              full_up_to: int = FULL_UP_TO, target_bytes: int | None = None, reshard: bool = True) -> Figures:
     from ckpt._commit import commit_for
     from ckpt._format import MANIFEST_NAME, read_manifest
-    from ckpt._options import PACK_OBJECT_BYTES
+    from ckpt._host import PACK_OBJECT_BYTES
     from ckpt._layout import ManifestParts, PackedSave, commit_packed
     from ckpt._save.plan import ShardWrite
 

@@ -41,9 +41,9 @@ from ckpt._format import (
     chunk_checksum,
     storage_paths,
 )
-from ckpt._format import dtypes as _dtypes
+from ckpt._format import dtype_from_name, storage_of, to_storage
 from ckpt._geometry import ShardingInfo, chunk_box, chunk_grid, full_box, spec_axes
-from ckpt._options import Options, resolve
+from ckpt._host import Options, resolve
 from ckpt._orbax import OrbaxLeaf, step_user_metadata
 from ckpt._restore import OrbaxArrays, batch_by_budget, is_orbax, open_layout
 from ckpt._commit import Staged, after_failed_commit, commit_for
@@ -150,17 +150,17 @@ def _convert_leaf(arrays: OrbaxArrays, i: int, leaf: OrbaxLeaf, staged: Staged, 
     if rec.kind not in ARRAY_KINDS:
         return LeafRecord(rec.path, rec.kind, value=rec.value)
     arrays.check_readable(i)
-    shape, logical = rec.shape, _dtypes.dtype_from_name(rec.dtype)
+    shape, logical = rec.shape, dtype_from_name(rec.dtype)
     if rec.kind == NUMPY_SCALAR:  # restore of the Orbax checkpoint gives a Python number
         whole = arrays.result(i, arrays.read(i, [()]))[()]
         return _python_scalar(rec, whole.item())
     out = LeafRecord(rec.path, rec.kind, shape, rec.dtype, rec.sharding, prng_impl=rec.prng_impl)
     if math.prod(shape) * logical.itemsize <= INLINE_LIMIT:
         box = full_box(shape)
-        out.storage = InlineStorage(_dtypes.to_storage(arrays.result(i, arrays.read(i, [box]))[box]).tobytes())
+        out.storage = InlineStorage(to_storage(arrays.result(i, arrays.read(i, [box]))[box]).tobytes())
         return out
     chunk = _chunk_shape(rec)
-    storage_dtype, encoding = _dtypes.storage_of(logical)
+    storage_dtype, encoding = storage_of(logical)
     spec = ArraySpec(shape, chunk, storage_dtype, {"jax_ckpt": {"path": rec.path, "dtype": rec.dtype, "encoding": encoding}})
     handle = staged.storage.open_arrays({0: (path, spec)})[0]
     grid = chunk_grid(shape, chunk)
@@ -171,7 +171,7 @@ def _convert_leaf(arrays: OrbaxArrays, i: int, leaf: OrbaxLeaf, staged: Staged, 
         regions = arrays.result(i, arrays.read(i, [boxes[k] for k in batch]))
         writes = []  # (future, the buffer it writes: kept until the write is durable)
         for k in batch:  # row-major, as the checksums are recorded
-            data = _dtypes.to_storage(regions.pop(boxes[k]))
+            data = to_storage(regions.pop(boxes[k]))
             writes.append((staged.storage.write_chunk(handle, boxes[k], data), data))
             sums.append(chunk_checksum(data))
         for fut, _ in writes:

@@ -238,3 +238,15 @@ def named_boxes(
             box.append((k * step, (k + 1) * step) if axes else (0, n))
         out[coord] = tuple(box)
     return out
+
+
+def common_grid(shape: tuple[int, ...], boxes: list[Box]) -> tuple[int, ...]:
+    """The coarsest chunk shape whose chunk boundaries include every box's (each box is whole
+    chunks): per dimension, the greatest common divisor of the extent and the boxes' bounds."""
+    out = []
+    for d, n in enumerate(shape):
+        g = n
+        for b in boxes:
+            g = math.gcd(math.gcd(g, b[d][0]), b[d][1])
+        out.append(max(1, g))
+    return tuple(out)

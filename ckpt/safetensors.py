@@ -25,9 +25,9 @@ import numpy as np
 
 from ckpt._errors import CheckpointError
 from ckpt._format import ARRAY_KINDS, PRNG_KEY, LeafRecord, display_path, leaf_components
-from ckpt._format import dtypes as _dtypes
+from ckpt._format import dtype_from_name, to_storage
 from ckpt._geometry import Box, ShardingInfo, chunk_box, chunk_grid, full_box
-from ckpt._options import Options, resolve
+from ckpt._host import Options, resolve
 from ckpt._restore import CODES, INDEX_NAME, META_KEY, SINGLE_NAME, plan_leaf_read, require_manifest
 from ckpt.storage import open_storage
 
@@ -110,7 +110,7 @@ def _entries(manifest, rename: Rename | None) -> tuple[list[_Entry], list[str], 
         info = ShardingInfo.from_record(rec.sharding)
         sharding = rec.sharding if info is not None and info.kind == "named" else None
         entries.append(_Entry(i, path, name, code, tuple(rec.shape),
-                              _dtypes.dtype_from_name(rec.dtype).itemsize, sharding))
+                              dtype_from_name(rec.dtype).itemsize, sharding))
     return entries, skipped, dropped
 
 
@@ -245,7 +245,7 @@ def export(path: Any, out: Any, *, shard_size: int = DEFAULT_SHARD_SIZE, rename:
         ChecksumError: a chunk does not match its saved checksum.
         OSError: reading the checkpoint or writing `out` failed.
     """
-    from ckpt._restore import Reader, RestoreStats, packed_reads
+    from ckpt._restore import Reader, RestoreStats, chunk_source
 
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
         raise ValueError(f"shard_size must be a positive number of bytes, got {shard_size!r}")
@@ -263,7 +263,7 @@ def export(path: Any, out: Any, *, shard_size: int = DEFAULT_SHARD_SIZE, rename:
         raise FileExistsError(17, f"already holds an export ({', '.join(sorted(existing))}); replace it with "
                               "overwrite=True (ckpt export --overwrite)", directory)
     total = sum(e.nbytes for e in entries)
-    reader = Reader(packed_reads(storage, manifest), manifest.leaves, True, RestoreStats(), opts)  # v3: via the index
+    reader = Reader(chunk_source(storage, manifest), manifest.leaves, True, RestoreStats(), opts)  # v3: via the index
     done = 0
     written: list[tuple[str, str]] = []  # (temporary, final)
     try:
@@ -317,7 +317,7 @@ def _write_tensor(fd: int, base: int, e: _Entry, rec: LeafRecord, reader, opts: 
                   progress: Callable[[int, int], None] | None) -> int:
     """Write one tensor block by block; returns the bytes done so far."""
     if rec.inline:  # inline in the manifest: a few KiB at most
-        _pwrite(fd, memoryview(_dtypes.to_storage(rec.inline_array()).reshape(-1).view(np.uint8)), base)
+        _pwrite(fd, memoryview(to_storage(rec.inline_array()).reshape(-1).view(np.uint8)), base)
         done += e.nbytes
         if progress is not None:
             progress(done, total)

@@ -19,6 +19,7 @@ variables to point ckpt (and the benchmark, docs/benchmarks.md) at it, until int
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -34,6 +35,42 @@ import urllib.request
 ACCESS_KEY = "ckpt-test-key"
 SECRET_KEY = "ckpt-test-secret"
 REGION = "us-east-1"
+
+
+def point_aws_at(patch, env: dict, aws_dir, endpoint: str | None = None) -> None:
+    """Set the standard AWS variables for a test server (its `env`, `endpoint` overriding its
+    own where given: a proxy in front of it) with `patch` (a pytest.MonkeyPatch), and write its
+    key pair as the default profile under `aws_dir`, so that TensorStore's credential chain finds
+    files (and does not log their absence) wherever it looks first."""
+    for k, v in env.items():
+        patch.setenv(k, v)
+    if endpoint is not None:
+        patch.setenv("AWS_ENDPOINT_URL", endpoint)
+    for k in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_DEFAULT_REGION"):
+        patch.delenv(k, raising=False)
+    (aws_dir / "credentials").write_text(f"[default]\naws_access_key_id = {ACCESS_KEY}\n"
+                                         f"aws_secret_access_key = {SECRET_KEY}\n")
+    (aws_dir / "config").write_text(f"[default]\nregion = {REGION}\n")
+    patch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(aws_dir / "credentials"))
+    patch.setenv("AWS_CONFIG_FILE", str(aws_dir / "config"))
+
+
+@contextlib.contextmanager
+def serving_s3(server, bucket: str, aws_dir):
+    """`server` (an S3 test server) started, with `bucket` made and the standard AWS variables
+    pointing at it (``point_aws_at``) while the context lasts; stopped at its end, whatever
+    happened."""
+    import pytest
+
+    server.start()
+    patch = pytest.MonkeyPatch()
+    try:
+        server.make_bucket(bucket)
+        point_aws_at(patch, server.env(), aws_dir)
+        yield server
+    finally:
+        patch.undo()
+        server.stop()
 
 
 class ServerError(RuntimeError):

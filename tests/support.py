@@ -111,7 +111,7 @@ def copy_tree(src: Storage, dst: Storage) -> None:
 
 def manifest_of(location: Any):
     """The manifest at `location` (a location, or a Storage as is)."""
-    from ckpt._format.manifest import read_manifest
+    from ckpt._format.validate import read_manifest
 
     return read_manifest(storage_of(location))
 
@@ -158,7 +158,7 @@ def dead_owner() -> bytes:
     import subprocess
     import sys
 
-    from ckpt._commit.owners import owner_record
+    from ckpt._commit.strategy import owner_record
 
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
@@ -168,7 +168,7 @@ def dead_owner() -> bytes:
 def plant_dead_save(storage: Storage, name: str) -> None:
     """What a save killed mid-way leaves at `name` below `storage`: staged data and the owner
     record of a process that is gone."""
-    from ckpt._commit.owners import OWNER_NAME
+    from ckpt._commit.strategy import OWNER_NAME
 
     storage.put(f"{name}/w/c/0/0", b"x" * 64).result()
     storage.put(f"{name}/{OWNER_NAME}", dead_owner()).result()
@@ -454,7 +454,7 @@ def _commit_steps_through_faults() -> None:
     saver lock as ``lock_saves``, a rename backend's ``publish``) are Faults operations too, for
     a strategy over a FaultyStorage: tests fail or hold a whole step at once, besides the byte
     primitives each step is made of (which the FaultyStorage sees anyway)."""
-    from ckpt._commit import strategy, rename
+    from ckpt._commit import generation, rename
 
     def through(cls, method, op, where_of):
         plain = getattr(cls, method)
@@ -468,7 +468,7 @@ def _commit_steps_through_faults() -> None:
         setattr(cls, method, faulty)
 
     url = lambda self, args: self.store.url  # noqa: E731
-    for cls in (strategy.GenerationCommit, rename.RenameCommit):
+    for cls in (generation.GenerationCommit, rename.RenameCommit):
         through(cls, "stage", "stage", url)
         through(cls, "staged_from", "staged_from", url)
         through(cls, "commit", "commit", url)
@@ -546,3 +546,23 @@ def race_two_saves(path: str, trees: tuple, engine: Any = None, timeout_s: float
     for th in threads:
         th.join(timeout_s)
     return errors
+
+
+class ReadCounter(WrapperStorage):
+    """A wrapper that counts the data bytes read through it: byte ranges and chunk reads, each
+    by ``count(nbytes)`` (a subclass says where the count goes and what else it counts)."""
+
+    def count(self, nbytes: int) -> None:
+        raise NotImplementedError
+
+    def read_range(self, key, start, length, into=None):
+        self.count(length)
+        return super().read_range(key, start, length, into)
+
+    def read_chunk(self, path, index, nbytes, into=None):
+        self.count(nbytes)
+        return super().read_chunk(path, index, nbytes, into)
+
+    def read_chunk_async(self, path, index, nbytes, executor, into=None):
+        self.count(nbytes)
+        return super().read_chunk_async(path, index, nbytes, executor, into)

@@ -4,7 +4,7 @@ dependency; hiding a circle in one is what these contracts forbid).
 
 - Layers: each module imports only from its own layer or the layers below it::
 
-      ckpt (the public names)  >  cli  >  _manager | _convert | safetensors
+      ckpt (the public names)  >  cli  >  _manager | _convert | safetensors | surgery
       >  _save | _restore  >  _layout  >  _commit | _orbax  >  storage  >  _format  >  the base modules
 
   Modules of one layer separated by ``|`` are independent of each other (``_save`` and
@@ -24,7 +24,7 @@ import pathlib
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "ckpt"
-BASE = {"_errors", "_options", "_geometry", "_memory", "_version", "_distributed", "_exit"}
+BASE = {"_errors", "_host", "_geometry", "_version", "_distributed", "_exit"}
 # Bottom to top; a set is one layer of mutually independent parts.
 LAYERS = [
     {"base"},
@@ -33,7 +33,7 @@ LAYERS = [
     {"_commit", "_orbax"},
     {"_layout"},
     {"_save", "_restore"},
-    {"_manager", "_convert", "safetensors"},
+    {"_manager", "_convert", "safetensors", "surgery"},
     {"cli"},
     {"ckpt", "__main__"},
 ]

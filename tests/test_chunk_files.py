@@ -1,4 +1,4 @@
-"""The local engine's own chunk-file writer (ckpt/storage/_chunk_files.py): exact bytes for
+"""The local engine's own chunk-file writer (ckpt/storage/_local.py): exact bytes for
 aligned, unaligned and odd-sized buffers, edge chunks padded with zeros to the chunk shape, the
 page-cache fallback where O_DIRECT is refused, and errors naming the file."""
 
@@ -9,9 +9,9 @@ import os
 import numpy as np
 import pytest
 
-from ckpt._format.zarr import ArraySpec
-from ckpt._memory import aligned_empty
-from ckpt.storage._chunk_files import ChunkFileWriter, write_file
+from ckpt._format import ArraySpec
+from ckpt._host import aligned_empty
+from ckpt.storage._local import ChunkFileWriter, write_file
 from ckpt.storage._local import LocalStorage
 
 
@@ -42,7 +42,7 @@ def test_write_file_pads_with_zeros_to_size(tmp_path):
 
 def test_write_file_without_direct_io(tmp_path, monkeypatch):
     # Where O_DIRECT is refused (tmpfs, for one) the page cache path writes the same bytes.
-    from ckpt.storage import _chunk_files
+    from ckpt.storage import _local as _chunk_files
 
     monkeypatch.setattr(_chunk_files, "_direct_writes", False)
     values = np.arange(5 * 1024 + 3, dtype=np.float32)

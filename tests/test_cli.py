@@ -366,7 +366,7 @@ def _storage(url, engine=None):
 
 def _chunk_key(url, leaf, index, engine=None):
     """The storage key of a chunk of `leaf` in the checkpoint at `url` (with its generation prefix)."""
-    from ckpt._format.manifest import read_manifest
+    from ckpt._format.validate import read_manifest
 
     rec = next(l for l in read_manifest(_storage(url, engine)).leaves if l.path == leaf)
     return f"{rec.zarr.path}/c/" + "/".join(map(str, index))

@@ -25,14 +25,14 @@ import tensorstore as ts
 
 import ckpt
 from ckpt._format import GENERATION_MARK, MANIFEST_NAME, read_manifest
-from ckpt._options import REQUEST_TIMEOUT_S
+from ckpt._host import REQUEST_TIMEOUT_S
 from ckpt.storage import OutcomeUnknownError
 from ckpt.storage._base import Storage
 from ckpt.storage._fsspec import FsspecStorage
 from ckpt.storage._location import open_storage
 from ckpt._commit import create
 from ckpt._commit.lease import LEASE_NAME, LEASE_TTL_S, SaverLease
-from ckpt._commit.owners import OWNER_NAME, owner_record
+from ckpt._commit.strategy import OWNER_NAME, owner_record
 from ckpt.storage._tensorstore import TensorStoreStorage, shared_context
 from support import (
     BIG, Faults, FaultyStorage, already_exists, committed_generations, connection_reset, io_error, keys,
@@ -175,7 +175,7 @@ def test_a_lost_answer_to_the_owner_record_write_saves(path, error):
 
 
 def test_owner_records_are_unique():
-    from ckpt._commit.owners import owner_bytes
+    from ckpt._commit.strategy import owner_bytes
 
     assert owner_bytes() != owner_bytes()
 

@@ -91,9 +91,11 @@ def test_few_blocks_are_marked_no_test():
 def _public_names():
     import ckpt
     import ckpt.safetensors
+    import ckpt.surgery
 
     names = [(f"ckpt.{n}", getattr(ckpt, n)) for n in ckpt.__all__]
     names += [(f"ckpt.safetensors.{n}", getattr(ckpt.safetensors, n)) for n in ckpt.safetensors.__all__]
+    names += [(f"ckpt.surgery.{n}", getattr(ckpt.surgery, n)) for n in ckpt.surgery.__all__]
     return names
 
 

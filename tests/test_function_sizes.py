@@ -117,3 +117,19 @@ def test_the_measure_counts_what_it_says():
     assert sizes["m.K.make"] == (1, 9)
     assert sizes["m.outer.inner"] == (1, 9)
     assert sorted(offenders(sizes)) == ["m.K.make", "m.long", "m.many", "m.outer.inner"]
+
+
+# ---- modules ---------------------------------------------------------------------------------
+
+MODULE_LINES = 400
+
+
+def test_every_module_over_400_lines_states_why_in_its_docstring():
+    """No module of ckpt/ over ~400 lines without a stated reason (issue 33): its docstring says
+    why in a paragraph starting "Size:"."""
+    unstated = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        if source.count("\n") > MODULE_LINES and "\nSize: " not in (ast.get_docstring(ast.parse(source)) or ""):
+            unstated.append(f"{path.relative_to(PACKAGE.parent)} ({source.count(chr(10))} lines)")
+    assert not unstated, "modules over 400 lines with no 'Size:' paragraph: " + ", ".join(unstated)

@@ -240,7 +240,7 @@ def test_dead_generations_of_an_uncommitted_step_are_replaced(tmp_path):
 
 def test_live_uncommitted_step_is_refused(tmp_path):
     """A step directory whose owner record names a process that runs: never replaced."""
-    from ckpt._commit.owners import _process_start, owner_record
+    from ckpt._commit.strategy import _process_start, owner_record
 
     directory = tmp_path / "run"
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])

@@ -1,4 +1,4 @@
-"""Restore's read buffers (ckpt/_host_memory.ReadBuffers): on an engine that reads into given
+"""Restore's read buffers (ckpt/_host.py: ReadBuffers): on an engine that reads into given
 buffers (local disk, and TensorStore's kvstores: memory:// here, S3 and GCS alike), a restore larger than its budget reads batch after batch into the same
 buffers, never keeps more than the budget, and never reuses a buffer a device adopted or a
 result kept; the next batch's reads are in flight while one is placed. Observed through a
@@ -17,8 +17,8 @@ from jax.sharding import PartitionSpec as P
 import ckpt
 from ckpt.storage._wrapper import WrapperStorage
 from ckpt.storage._location import open_storage
-from ckpt._memory import POOLED_MIN_BYTES, ReadBuffers
-from ckpt._restore.place import HostBudget
+from ckpt._host import POOLED_MIN_BYTES, ReadBuffers
+from ckpt._host import HostBudget
 from ckpt._restore import restore_with_stats
 from support import Faults
 

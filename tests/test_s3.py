@@ -29,7 +29,7 @@ import ckpt
 from ckpt.cli._main import main as cli
 from ckpt._format.records import GENERATION_MARK, MANIFEST_NAME
 from ckpt.storage._location import open_storage
-from servers import ACCESS_KEY, REGION, SECRET_KEY, CephRgw, SeaweedFS, free_ports
+from servers import ACCESS_KEY, REGION, SECRET_KEY, CephRgw, SeaweedFS, free_ports, serving_s3
 from support import Faults, chunk_object, committed_generations, keys, race_two_saves, truncate
 
 BUCKET = "ckpt-test"
@@ -49,26 +49,8 @@ def s3(request, tmp_path_factory):
         server = CephRgw()
     else:
         server = SeaweedFS(str(tmp_path_factory.mktemp("seaweedfs")))
-    server.start()
-    patch = pytest.MonkeyPatch()
-    try:
-        server.make_bucket(BUCKET)
-        for k, v in server.env().items():
-            patch.setenv(k, v)
-        for k in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_DEFAULT_REGION"):
-            patch.delenv(k, raising=False)
-        # The key pair also as the default profile, so that TensorStore's credential chain finds
-        # files (and does not log their absence) wherever it looks first.
-        aws = tmp_path_factory.mktemp("aws")
-        (aws / "credentials").write_text(f"[default]\naws_access_key_id = {ACCESS_KEY}\n"
-                                         f"aws_secret_access_key = {SECRET_KEY}\n")
-        (aws / "config").write_text(f"[default]\nregion = {REGION}\n")
-        patch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(aws / "credentials"))
-        patch.setenv("AWS_CONFIG_FILE", str(aws / "config"))
+    with serving_s3(server, BUCKET, tmp_path_factory.mktemp("aws")):
         yield server
-    finally:
-        patch.undo()
-        server.stop()
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ import pytest
 
 import ckpt
 from faultproxy import FaultProxy
-from servers import ACCESS_KEY, REGION, SECRET_KEY, SeaweedFS
+from servers import SeaweedFS, point_aws_at
 from support import dead_owner
 
 BUCKET = "ckpt-faults"
@@ -76,17 +76,7 @@ def proxy(s3, tmp_path_factory):
     _forget_s3fs_instances()
     try:
         with FaultProxy(s3.endpoint) as px:
-            for k, v in s3.env().items():
-                patch.setenv(k, v)
-            patch.setenv("AWS_ENDPOINT_URL", px.endpoint)
-            for k in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_DEFAULT_REGION"):
-                patch.delenv(k, raising=False)
-            aws = tmp_path_factory.mktemp("aws")
-            (aws / "credentials").write_text(f"[default]\naws_access_key_id = {ACCESS_KEY}\n"
-                                             f"aws_secret_access_key = {SECRET_KEY}\n")
-            (aws / "config").write_text(f"[default]\nregion = {REGION}\n")
-            patch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(aws / "credentials"))
-            patch.setenv("AWS_CONFIG_FILE", str(aws / "config"))
+            point_aws_at(patch, s3.env(), tmp_path_factory.mktemp("aws"), endpoint=px.endpoint)
             yield px
     finally:
         patch.undo()

@@ -214,7 +214,7 @@ def test_restore_a_file_written_by_the_safetensors_package(tmp_path):
 
 def test_restore_reads_only_the_rows_and_ranges_needed(tmp_path):
     from ckpt._restore.safetensors_source import open_tensors, read_box
-    from ckpt._memory import aligned_empty
+    from ckpt._host import aligned_empty
 
     big = np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024)
     file = tmp_path / "big.safetensors"

@@ -43,7 +43,7 @@ def _save(path, tree, budget=BUDGET, **kwargs):
     limit = handle._budget.limit
     assert limit == budget or (budget == "unlimited" and limit >= 1 << 60)
     assert 0 < handle._budget.high_water <= limit
-    assert handle._budget.used == 0  # every lease came back
+    assert handle._budget.held == 0  # every lease came back
     return handle
 
 

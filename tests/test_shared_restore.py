@@ -28,7 +28,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
-from ckpt.storage import WrapperStorage, open_storage
+from ckpt.storage import open_storage
+from support import ReadCounter
 from multihost_data import bad_shards, build
 from multiproc import Worker, assert_all_succeeded, launch
 
@@ -48,37 +49,25 @@ UNIQUE = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d, _ in ARRAYS.values
 # ---- code run inside the processes -----------------------------------------------------------
 
 
-class Counting(WrapperStorage):
+class Counting(ReadCounter):
     """Counts the bytes and requests this process reads from storage (chunks and manifest)."""
 
     counts = {"bytes": 0, "reads": 0}
     lock = threading.Lock()
 
-    def _count(self, nbytes: int) -> None:
+    def count(self, nbytes: int) -> None:
         with self.lock:
             self.counts["bytes"] += nbytes
             self.counts["reads"] += 1
 
-    def read_chunk(self, path, index, nbytes, into=None):
-        self._count(nbytes)
-        return super().read_chunk(path, index, nbytes, into)
-
     def get(self, key, *, max_bytes):  # the manifest: counted too
         data = super().get(key, max_bytes=max_bytes)
-        self._count(len(data))
+        self.count(len(data))
         return data
 
     def read_exact(self, key, nbytes, into=None):
-        self._count(nbytes)
+        self.count(nbytes)
         return super().read_exact(key, nbytes, into)
-
-    def read_range(self, key, start, length, into=None):
-        self._count(length)
-        return super().read_range(key, start, length, into)
-
-    def read_chunk_async(self, path, index, nbytes, executor, into=None):
-        self._count(nbytes)
-        return super().read_chunk_async(path, index, nbytes, executor, into)
 
     @classmethod
     def take(cls) -> dict:

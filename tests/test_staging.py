@@ -16,7 +16,7 @@ def test_buffers_are_page_aligned_and_reused_once_unreferenced():
     assert lease.buffer.ctypes.data % 4096 == 0 and lease.nbytes == lease.buffer.nbytes == 12_288
     address = lease.buffer.ctypes.data
     budget.release(lease)
-    assert pool.free_bytes == 12_288 and budget.used == 0
+    assert pool.free_bytes == 12_288 and budget.held == 0
     again = budget.acquire(9_000, buffer=True)  # a free buffer of at least the size is reused
     assert again.buffer.ctypes.data == address and pool.free_bytes == 0
 
@@ -91,13 +91,13 @@ def test_a_buffer_still_referenced_after_its_write_stays_counted_until_let_go():
     lease = budget.acquire(4096, buffer=True)
     reader = lease.buffer[:16]  # e.g. an engine letting go of the chunk a moment late
     budget.release(lease)
-    assert budget.used == 4096 and budget.high_water == 4096  # still counted
+    assert budget.held == 4096 and budget.high_water == 4096  # still counted
     assert budget.acquire(2 * 4096, buffer=False, block=False) is None
     del reader
     again = budget.acquire(4096, buffer=True)  # the let-go buffer, pooled and reused
-    assert budget.used == 4096 and again.buffer is not None and budget.written_off == 0
+    assert budget.held == 4096 and again.buffer is not None and budget.written_off == 0
     budget.release(again)
-    assert budget.used == 0 and pool.free_bytes == 4096
+    assert budget.held == 0 and pool.free_bytes == 4096
 
 
 def test_with_no_room_for_a_new_buffer_a_larger_free_one_serves():

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import ckpt
 from ckpt._errors import CheckpointError
 from ckpt._format import ArraySpec
-from ckpt._memory import aligned_empty
+from ckpt._host import aligned_empty
 from ckpt.storage._base import ChunkFiles, LocalDirectory, Storage
 from ckpt.storage._location import ENGINES, open_storage
 from ckpt._commit import Leftover, commit_for
@@ -98,7 +98,7 @@ def _calls(state: dict) -> list[tuple[str, object]]:
     ]
 
 
-def _optional_calls(state: dict, local: bool) -> list[tuple[str, object]]:
+def _optional_calls(state: dict, local: bool, versioned: bool) -> list[tuple[str, object]]:
     """(member, call on a wrapper) for the optional protocols' members an engine declares."""
     spec = ArraySpec((4,), (4,), np.dtype("float32"))
 
@@ -115,18 +115,22 @@ def _optional_calls(state: dict, local: bool) -> list[tuple[str, object]]:
 
     chunk_files = [
         ("read_exact", lambda w: (w.put("d/e", b"abcdef").result(), w.read_exact("d/e", 6))),
-        ("create_array", lambda w: w.create_array("a", spec).result()),
-        ("put_group", lambda w: w.put_group("").result()),
+        # (create_array and put_group write a zarr.json through the wrapper's own put, where the
+        # wrapper sees its bytes: tests/test_wrapper_sees_every_byte.py)
+        ("put", lambda w: w.create_array("a", spec).result()),
+        ("put", lambda w: w.put_group("").result()),
         ("open_arrays", lambda w: state.update(handle=w.open_arrays({0: ("a", spec)})[0])),
         ("write_chunk", lambda w: w.write_chunk(state["handle"], ((0, 4),), np.arange(4, dtype=np.float32)).result()),
         ("read_chunk", lambda w: w.read_chunk("a", (0,), 16)),
         ("read_chunk_async", lambda w: w.read_chunk_async("a", (0,), 16, state["pool"]).result()),
+    ]
+    versioned_writes = [
         ("get_versioned", lambda w: state.update(version=w.get_versioned("d/e", max_bytes=10)[1])),
         ("put_if_version", lambda w: w.put_if_version("d/e", b"abcdef", state["version"])),
     ]
     directory = [("root", lambda w: w.root), ("make_dirs", lambda w: w.make_dirs()), ("pin", pin),
                  ("sync", lambda w: w.sync("")), ("du", lambda w: w.du()), ("open_pack", open_pack)]
-    return chunk_files + (directory if local else [])
+    return chunk_files + (versioned_writes if versioned else []) + (directory if local else [])
 
 
 def _each_call_reaches_the_inner_storage(kind: str, tmp_path, calls_of) -> None:
@@ -154,7 +158,10 @@ def test_every_optional_member_a_wrapper_forwards_reaches_the_inner_storage(kind
 
     def calls_of(state, inner):
         assert inner.caps.renames == (kind == "local") and inner.caps.writes_in_place == (kind == "local")
-        return _optional_calls(state, local=inner.caps.renames)
+        # Versioned writes where a lease needs them (memory:// and object stores); local disk
+        # has its directory lock.
+        assert inner.caps.versioned_writes == (kind != "local")
+        return _optional_calls(state, local=inner.caps.renames, versioned=inner.caps.versioned_writes)
 
     _each_call_reaches_the_inner_storage(kind, tmp_path, calls_of)
 

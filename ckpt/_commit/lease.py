@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any
 
-from ckpt._commit.owners import OWNER_LIMIT_BYTES, SaveLock, owner_gone, owner_record, owner_text, parse_owner
+from ckpt._commit.strategy import OWNER_LIMIT_BYTES, SaveLock, owner_gone, owner_record, owner_text, parse_owner
 from ckpt._commit.writes import create, settle_write
 from ckpt._errors import CheckpointError
 from ckpt.storage import Storage

@@ -12,14 +12,16 @@ on the store's directory (``store.root``, which stores with ``caps.renames`` hav
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import secrets
+import shutil
 import time
 import warnings
 from typing import Callable, Iterable
 
-from ckpt._commit.owners import (
+from ckpt._commit.strategy import (
     OWN_TEMP,
     OWNER_LIMIT_BYTES,
     OWNER_NAME,
@@ -37,7 +39,52 @@ from ckpt._commit.owners import (
 from ckpt._commit.strategy import CommitStrategy, Staged, not_a_checkpoint, some
 from ckpt._errors import CheckpointError, NotDurableError
 from ckpt._format import MANIFEST_NAME, TEMP_MARK
-from ckpt.storage import Storage, exchange, fsync_path, remove_tree, rename_noreplace
+from ckpt.storage import Storage, fsync_path
+
+
+# ---- the directory renames a commit makes (renameat2) ---------------------------------
+
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+_libc = None
+
+
+def _renameat2(src: str, dst: str, flags: int) -> bool:
+    """renameat2(2) where the platform has it; False when it does not."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.renameat2  # noqa: B018  (probe)
+        except (OSError, AttributeError):
+            _libc = False
+    if not _libc:
+        return False
+    AT_FDCWD = -100
+    rc = _libc.renameat2(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), flags)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL):  # kernel or file system without the flag
+        return False
+    raise OSError(err, os.strerror(err), dst)
+
+
+def rename_noreplace(src: str, dst: str) -> None:
+    """Rename a directory into place; FileExistsError if `dst` exists, never replacing it."""
+    if not _renameat2(src, dst, _RENAME_NOREPLACE):
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, "checkpoint already exists", dst)
+        os.rename(src, dst)
+
+
+def exchange(src: str, dst: str) -> bool:
+    """Atomically swap two directories; False where the platform cannot."""
+    return _renameat2(src, dst, _RENAME_EXCHANGE)
+
+
+def remove_tree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
 
 
 def _what_is_there(path: str) -> str | None:
@@ -58,6 +105,8 @@ def _what_is_there(path: str) -> str | None:
 
 class RenameCommit(CommitStrategy):
     """A staged sibling directory, renamed into place."""
+
+    for_renames = True
 
     @property
     def root(self) -> str:

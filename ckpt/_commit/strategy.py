@@ -1,5 +1,8 @@
-"""How a checkpoint becomes visible: one ``CommitStrategy`` interface and the strategy of object
-stores (a fresh generation prefix, the manifest written if absent).
+"""How a checkpoint becomes visible: the ``CommitStrategy`` interface, what every strategy shares
+(owner records and locks, the judgement of leftovers, the coordinator the processes of a save
+agree through), and the commit door (``commit_for``, ``commit_checkpoint``). The strategies
+themselves are ``rename.RenameCommit`` (local disk) and ``generation.GenerationCommit`` (object
+stores).
 
 The contract every strategy keeps (formats/SPEC.md section 10):
 
@@ -11,35 +14,310 @@ The contract every strategy keeps (formats/SPEC.md section 10):
 
 A strategy works on a store only through the store's own members, so a wrapper around the store
 (``ckpt.storage.WrapperStorage``) sees every byte a commit reads and writes.
+
+Owners. A save's staged place (a ``<path>.tmp-<hex>`` directory, a ``gen-<hex>/`` generation)
+holds an owner record, ``.owner``: host, boot id, pid and the process's start time, written
+first. From it (and, on local disk, from the ``flock`` the saving process holds) a strategy's
+``leftovers`` tells the leftover of a save that died from a save in progress, on this machine or
+another; only the first is ever removed. A manager directory has one saver at a time: a
+directory lock, or on storage without locks a renewed lease (``lease.SaverLease``).
+
+Size: the commit's contract and what both strategies share (owner records, the coordinator, the
+door) run on every local save; one module keeps that walk short (docs/design.md).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import json
+import os
+import re
 import secrets
-import warnings
+import socket
+import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
-from ckpt._commit.lease import SaverLease
-from ckpt._commit.owners import (
-    GENERATION,
-    OWN_TEMP,
-    OWNER_LIMIT_BYTES,
-    OWNER_NAME,
-    Leftover,
-    LiveMark,
-    SaveLock,
-    owner_bytes,
-    owner_gone,
-    parse_owner,
-)
-from ckpt._commit.writes import create, settle_write
-from ckpt._errors import CheckpointError, OutcomeUnknownError
-from ckpt._format import GENERATION_MARK, MANIFEST_NAME
+from ckpt._errors import CheckpointError, NotDurableError, OutcomeUnknownError
+from ckpt._format import DATA_DIR, GENERATION_MARK, Manifest, read_manifest
 from ckpt.storage import Storage
 
+
+# ---- owners -------------------------------------------------------------------------
+
+# Names of the temporary directories the library itself creates (staged saves, old checkpoints
+# being deleted or moved aside): only these are ever removed as leftovers.
+OWN_TEMP = re.compile(r".+\.tmp-(?:(deleted|old)-)?[0-9a-f]{12}")
+GENERATION = re.compile(r"gen-[0-9a-f]{12}")
+OWNER_NAME = ".owner"  # inside a staged directory or generation while its save runs
+OWNER_LIMIT_BYTES = 4096
+# Staged data without an owner record is left alone this long (a save writes its record right
+# after creating the place, and removes it just before publishing).
+UNOWNED_GRACE_S = 600.0
+# Staged data whose owner runs on another machine is presumed dead only after this long.
+FOREIGN_OWNER_TTL_S = 24 * 3600.0
+
+
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _process_start(pid: int) -> str:
+    """The process's start time (clock ticks since boot), which tells a pid reused from it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def owner_record() -> dict:
+    """Who is writing: enough to tell later whether that process is still alive."""
+    return {"host": socket.gethostname(), "boot_id": boot_id(), "pid": os.getpid(),
+            "start": _process_start(os.getpid()), "time": time.time()}
+
+
+def owner_bytes() -> bytes:
+    # A token makes each record unique, so that a writer recognises its own on a read-back
+    # (a retried write-if-absent whose first answer was lost: Storage.create).
+    return json.dumps({**owner_record(), "token": secrets.token_hex(8)}).encode()
+
+
+def parse_owner(data: bytes | None) -> dict | None:
+    try:
+        rec = json.loads(data) if data is not None else None
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def owner_text(owner: dict | None) -> str:
+    if not owner:
+        return "no owner record"
+    return f"pid {owner.get('pid')} on host {owner.get('host')}"
+
+
+# Staged places this process is saving to now (their URLs): the one owner a process can judge
+# exactly is itself.
+_LIVE: set[str] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+class LiveMark:
+    """Marks a staged place as being saved to by this process until released."""
+
+    def __init__(self, place: str):
+        self.place = place
+        with _LIVE_LOCK:
+            _LIVE.add(place)
+
+    def release(self) -> None:
+        with _LIVE_LOCK:
+            _LIVE.discard(self.place)
+
+
+def owner_gone(owner: dict, *, now: float | None = None, place: str | None = None) -> tuple[bool, str]:
+    """(True, why) when the owning process provably no longer runs that save: it is this process
+    and `place` is none of its saves in progress; on this machine (same boot), its pid is gone or
+    now belongs to a process started at another time; on this host before its last restart;
+    on another machine, when the record is older than FOREIGN_OWNER_TTL_S. (False, why)
+    otherwise."""
+    now = time.time() if now is None else now
+    pid, who = owner.get("pid"), owner_text(owner)
+    boot = boot_id()
+    if place is not None and boot and owner.get("boot_id") == boot and pid == os.getpid() \
+            and owner.get("start") == _process_start(os.getpid()):
+        with _LIVE_LOCK:
+            live = place in _LIVE
+        return (False, f"a save in progress ({who}: this process)") if live else \
+            (True, f"its save ({who}: this process) ended without committing it")
+    if boot and owner.get("boot_id") == boot and isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True, f"its owner ({who}) has exited"
+        except PermissionError:
+            pass
+        except OverflowError:
+            return True, f"its owner record names an impossible pid {pid}"
+        start = _process_start(pid)
+        if start and owner.get("start") and start != owner.get("start"):
+            return True, f"its owner ({who}) has exited (the pid now belongs to another process)"
+        return False, f"a save in progress ({who})"
+    if boot and owner.get("host") == socket.gethostname() and owner.get("boot_id") and owner.get("boot_id") != boot:
+        return True, f"its owner ({who}) ran before this machine last started"
+    age = now - owner["time"] if isinstance(owner.get("time"), (int, float)) else float("inf")
+    if age > FOREIGN_OWNER_TTL_S:
+        return True, f"its owner ({who}) last wrote {age / 3600:.0f} h ago"
+    return False, f"a save in progress ({who}, another machine, {age:.0f} s ago)"
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """Staged data of a save directly below a location: a temporary directory (``<name>.tmp-...``)
+    or a generation prefix no manifest references. `dead`: its save provably ended without
+    committing it (or it is an old checkpoint being deleted), so removing it disturbs nobody."""
+
+    name: str
+    dead: bool
+    why: str
+    owner: dict | None = None
+
+
+class SaveLock:
+    """A lock held while saving: ``release()`` (idempotent) gives it back."""
+
+    def release(self) -> None:
+        pass
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class DirLock(SaveLock):
+    """An exclusive ``flock`` on a directory, held through an open descriptor of it (so it
+    follows the directory through renames and ends when the descriptor is closed, at the latest
+    when the process exits)."""
+
+    def __init__(self, fd: int):
+        self.fd: int | None = fd
+
+    @classmethod
+    def acquire(cls, path: str) -> "DirLock":
+        """The lock, waiting for another holder (a cleaner judging the directory holds it for
+        a moment) to let go."""
+        fd = os.open(path, _DIR_FLAGS)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd)
+
+    @classmethod
+    def try_acquire(cls, path: str) -> "DirLock | None":
+        """The lock, or None when another open descriptor holds it (this process's included)."""
+        fd = os.open(path, _DIR_FLAGS)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd)
+
+    def identity(self) -> tuple[int, int]:
+        st = os.fstat(self.fd)
+        return st.st_dev, st.st_ino
+
+    def release(self, _close=os.close) -> None:
+        # os.close is bound at definition: at interpreter teardown the module's globals may
+        # already be None when a lock still held is collected.
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            _close(fd)
+
+    def __del__(self) -> None:
+        # A lock dropped without release() (a manager never closed): the descriptor is closed
+        # quietly; whatever fails at interpreter teardown is not worth a traceback, since the
+        # kernel drops the flock with the process anyway.
+        try:
+            self.release()
+        except Exception:
+            pass
+
+
+def lock_holder(path: str) -> str:
+    """Who holds the flock on `path`, from /proc/locks (Linux), for messages."""
+    try:
+        st = os.stat(path)
+        want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with open("/proc/locks") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == want:
+                    return f"process {fields[4]}"
+    except (OSError, ValueError):
+        pass
+    return "another process"
+
+
+# ---- the processes of a save ---------------------------------------------------------
+
+class Coordinator(Protocol):
+    """What the save and commit steps need from the processes of a job."""
+
+    process_index: int
+    process_count: int
+
+    def new_save_id(self) -> str:
+        """An id for the next save; every process gets the same one for the same save.
+        Each call is matched by one ``end_save`` once this process is done with the save."""
+
+    def all_gather(self, key: str, value: bytes) -> list[bytes]:
+        """Every process's `value`, by process index. Raises naming processes that never sent.
+        `key` is ``<save id>/<step>``, used once per save."""
+
+    def gather(self, key: str, value: bytes) -> list[bytes] | None:
+        """Every process's `value`, by process index, on the primary (process 0); None on the
+        others, which do not wait. Raises on the primary naming processes that never sent."""
+
+    def broadcast(self, key: str, make: Callable[[], bytes]) -> bytes:
+        """The primary's `make()`, on every process (if it raises there, the others raise too)."""
+
+    def end_save(self, save_id: str) -> None:
+        """This process made its last exchange of `save_id` (or gave up on the save)."""
+
+
+class LocalCoordinator:
+    """The coordinator of a single-process job."""
+
+    process_index = 0
+    process_count = 1
+
+    def __init__(self) -> None:
+        self._count = 0
+
+    def new_save_id(self) -> str:
+        self._count += 1
+        return str(self._count)
+
+    def all_gather(self, key: str, value: bytes) -> list[bytes]:
+        return [value]
+
+    def gather(self, key: str, value: bytes) -> list[bytes] | None:
+        return [value]
+
+    def broadcast(self, key: str, make: Callable[[], bytes]) -> bytes:
+        return make()
+
+    def end_save(self, save_id: str) -> None:
+        pass
+
+
+_local = LocalCoordinator()
+
+
+def current_coordinator() -> Coordinator:
+    import jax
+
+    if jax.process_count() == 1:
+        return _local
+    from ckpt._distributed import distributed_coordinator
+
+    return distributed_coordinator()
+
+
+# ---- the strategy interface ----------------------------------------------------------
 
 def not_a_checkpoint(where: str, what: str) -> FileExistsError:
     """The error of a save to a location that holds something other than a jax-ckpt checkpoint
@@ -76,7 +354,16 @@ class Staged:
 
 
 class CommitStrategy(ABC):
-    """How saves to one location (`store`) stage, commit, abort and are cleaned up after."""
+    """How saves to one location (`store`) stage, commit, abort and are cleaned up after.
+    `for_renames`: the value of ``store.caps.renames`` a strategy is for; ``commit_for`` picks by
+    it among the strategies defined (``ckpt._commit`` defines both)."""
+
+    for_renames: bool
+    _by_renames: dict[bool, type["CommitStrategy"]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        CommitStrategy._by_renames[cls.for_renames] = cls
 
     def __init__(self, store: Storage):
         self.store = store
@@ -144,150 +431,54 @@ class CommitStrategy(ABC):
         committed."""
 
 
-class GenerationCommit(CommitStrategy):
-    """Object stores (and any store without an atomic rename): a save writes below a fresh
-    generation prefix ``gen-<hex>/`` inside the location, and the manifest, written if absent
-    (or replaced in one write when overwriting), makes it the checkpoint."""
+# ---- the door -------------------------------------------------------------------------
 
-    def stage(self, *, overwrite: bool) -> Staged:
-        store = self.store
-        files, dirs = store.list_dir("")
-        if MANIFEST_NAME not in files:
-            # Generation prefixes without a manifest are what failed saves leave: not data.
-            others = files + [f"{d}/" for d in dirs if not d.startswith(GENERATION_MARK)]
-            if others:
-                raise not_a_checkpoint(store.url, f"it holds {some(others)}")
-        elif not overwrite:
-            raise FileExistsError(errno.EEXIST, "checkpoint already exists (pass overwrite=True to replace it)",
-                                  store.url)
-        generation = f"{GENERATION_MARK}{secrets.token_hex(6)}"
-        place = store.child(generation)
-        mark = LiveMark(place.url)
+def commit_for(store: Storage) -> CommitStrategy:
+    """The commit strategy of `store`'s location."""
+    return CommitStrategy._by_renames[store.caps.renames](store)
+
+
+def _old_data(storage: Storage) -> Callable[[], Iterable[str]]:
+    """The top-level entries the checkpoint now at `storage` keeps its data in (none if there is
+    no readable checkpoint): what an overwrite deletes after its commit."""
+
+    def entries() -> list[str]:
         try:
-            # (A lost answer retried is our own record, recognised: owner records carry a token.)
-            try:
-                create(place, OWNER_NAME, owner_bytes(), what="owner record")
-            except OutcomeUnknownError as e:
-                # Nothing can have been committed yet: a plain failure of the save.
-                raise CheckpointError(f"save to {store.url} failed before writing anything else, nothing "
-                                      f"committed: {e}") from e
-        except BaseException:
-            mark.release()
-            raise
-        return Staged(place, generation + "/", {"generation": generation}, mark)
-
-    def staged_from(self, info: dict) -> Staged:
-        generation = info["generation"]
-        return Staged(self.store.child(generation), generation + "/", info)
-
-    def _commit(self, staged: Staged, manifest: bytes, *, overwrite: bool,
-                old_data: Callable[[], Iterable[str]] | None) -> None:
-        store = self.store
-        stale = list(old_data()) if (overwrite and old_data is not None) else []
-        # The manifest names this save's fresh generation, so its bytes are this save's own: a
-        # write that reports failure (or "exists": its own retry of a write whose answer was
-        # lost) is settled by reading the manifest back (``settle_write``). Raises
-        # FileExistsError (another save committed first), OutcomeUnknownError (neither the
-        # write nor the read-back can tell: nothing may be deleted), or the write's own error
-        # when it provably did not land.
-        if overwrite:
-            try:
-                store.put(MANIFEST_NAME, manifest).result()
-            except Exception as e:  # noqa: BLE001 (settled)
-                settle_write(store, MANIFEST_NAME, manifest, e, what="manifest", replace=True)
-        else:
-            create(store, MANIFEST_NAME, manifest, what="manifest")
-        # Committed: from here on nothing may fail the save. Old data that cannot be deleted
-        # now is unreferenced and only costs space.
-        keep = staged.prefix.rstrip("/")
-        for entry in stale:
-            if entry == keep:
-                continue
-            try:
-                store.delete(entry) if entry.endswith(".json") else store.delete_tree(entry)
-            except OSError as e:
-                warnings.warn(f"checkpoint {store.url} committed, but its previous data {store.where(entry)} "
-                              f"could not be deleted: {e}", RuntimeWarning, stacklevel=4)
-        try:
-            staged.storage.delete(OWNER_NAME)
-        except OSError as e:
-            warnings.warn(f"checkpoint {store.url} committed, but its owner record could not be removed: {e}",
-                          RuntimeWarning, stacklevel=4)
-
-    def staging_area(self) -> Storage:
-        return self.store
-
-    def leftovers(self, referenced: Iterable[str] = ()) -> list[Leftover]:
-        """Temporary directories the library names (``<name>.tmp-<hex>``) and generation prefixes
-        not in `referenced` (the generations a manifest here points to). Dead when the owner
-        record is missing (a generation's record is its first object, and goes only once its
-        manifest is written) or names a process provably gone."""
-        files, dirs = self.store.list_dir("")
-        keep = {r.strip("/") for r in referenced}
-        return [self._judge(name) for name in dirs
-                if name not in keep and (OWN_TEMP.fullmatch(name) or GENERATION.fullmatch(name))]
-
-    def _judge(self, name: str) -> Leftover:
-        store = self.store
-        try:
-            owner = parse_owner(store.get(f"{name}/{OWNER_NAME}", max_bytes=OWNER_LIMIT_BYTES))
-        except FileNotFoundError:
-            return Leftover(name, True, "no save owns it (no owner record)")
-        except (OSError, CheckpointError) as e:
-            return Leftover(name, False, f"its owner record cannot be read ({e})")
-        if owner is None:
-            return Leftover(name, False, "its owner record is unreadable")
-        dead, why = owner_gone(owner, place=store.where(name))
-        return Leftover(name, dead, why, owner)
-
-    def remove_leftover(self, leftover: Leftover) -> bool:
-        now = self._judge(leftover.name)
-        if not now.dead:
-            return False
-        # A committed save writes its manifest before it removes its owner record, so a
-        # generation seen without an owner may be the data of a checkpoint that committed since
-        # this location was judged uncommitted: a generation the manifest here now mentions
-        # stays (at worst a crashed save's bytes are left behind; never a checkpoint's data
-        # deleted). Generations it does not mention (an overwritten checkpoint's) still go.
-        if leftover.name.startswith(GENERATION_MARK) and self._manifest_mentions(leftover.name):
-            return False
-        self.store.delete_tree(leftover.name)
-        return True
-
-    def _manifest_mentions(self, name: str) -> bool:
-        """Whether the manifest here (if any) holds the text `name` anywhere (a storage path in
-        it, so its generation is referenced); True when it cannot be read (keep, to be safe)."""
-        try:
-            return name.encode() in self.store.get(MANIFEST_NAME, max_bytes=1 << 30)
-        except FileNotFoundError:
-            return False
+            old = read_manifest(storage)
         except (OSError, CheckpointError):
-            return True
+            return []
+        paths = [l.zarr.path for l in old.leaves if l.zarr is not None]
+        paths += [s.zarr.path for s in getattr(old, "stacks", ())]
+        if old.layout is not None:  # (format version 3: its index objects, even with no arrays)
+            paths += [ref.name for ref in old.layout.indexes]
+            if any(not ref.name.startswith(GENERATION_MARK) for ref in old.layout.indexes):
+                paths.append(DATA_DIR)  # (the flat layout's data objects, beside ~index)
+        tops = {p.split("/", 1)[0] for p in paths}
+        tops |= {st.zarr.path.split("/", 1)[0] for st in old.stacks}
+        flat = [t for t in tops if not t.startswith(GENERATION_MARK)]
+        return sorted(tops) + (["zarr.json"] if flat else [])
 
-    def remove_dead_leftovers(self, keep: Staged | None = None, *, overwrite: bool = True) -> list[str]:
-        """Only the generations inside this checkpoint are looked at, and only when it has a
-        manifest (the manager handles uncommitted steps); only an overwritten location can hold
-        some after a commit."""
-        store, removed = self.store, []
-        if not overwrite:
-            return removed
-        try:
-            if not store.exists(MANIFEST_NAME):
-                return []
-            for leftover in self.leftovers([keep.prefix] if keep is not None else []):
-                if leftover.dead and self.remove_leftover(leftover):
-                    removed.append(store.where(leftover.name))
-        except (OSError, CheckpointError) as e:
-            warnings.warn(f"could not remove leftovers of earlier saves in {store.url}: {e}", RuntimeWarning,
-                          stacklevel=3)
-        return removed
+    return entries
 
-    def lock(self) -> SaveLock:
-        """A lease object renewed in the background while held and presumed abandoned after
-        LEASE_TTL_S without renewal."""
-        return SaverLease.acquire(self.store)
 
-    def retire(self) -> None:
-        """The manifest goes first, then the data."""
-        self.store.delete(MANIFEST_NAME)
-        self.store.delete_tree("")
+def commit_checkpoint(storage: Storage, staged: Staged, manifest: Manifest, *, overwrite: bool) -> None:
+    """Write the manifest last, making what `staged` holds the checkpoint at `storage`."""
+    commit_for(storage).commit(staged, manifest.encode(), overwrite=overwrite, old_data=_old_data(storage))
+
+
+def after_failed_commit(storage: Storage, staged: Staged, error: BaseException) -> None:
+    """Clean up after ``commit_written`` raised `error`: remove the staged data unless it may
+    now be a checkpoint's. A NotDurableError committed. An OutcomeUnknownError (the manifest
+    write failed in a way that may have landed, and reading it back could not tell) deletes
+    nothing: a manifest that did land points to this data. Anything else committed nothing of
+    ours, as the storage's commit settles a failed manifest write by reading it back: a lost
+    race (FileExistsError: another save's manifest is there), a write that provably did not
+    land, or a failure before the manifest write; its generation is removed (what cannot be
+    removed now is a dead leftover for cleanup, never a checkpoint). An interruption
+    (KeyboardInterrupt...) may have come at any moment: nothing is deleted."""
+    if isinstance(error, (NotDurableError, OutcomeUnknownError)) or not isinstance(error, Exception):
+        return
+    try:
+        commit_for(storage).abort(staged)
+    except OSError:
+        pass  # left for cleanup: never a checkpoint, since no manifest points to it

@@ -1,12 +1,24 @@
 """The on-disk contract (formats/SPEC.md): manifest records and their validation, the tree
-encoding, dtypes, checksums and Zarr metadata. No devices, no I/O of its own; every layer above
-imports it through this door."""
+encoding, a chunk's encoding (dtypes, Zarr metadata, checksums). No devices, no I/O of its own;
+every layer above imports it through this door."""
 
 from __future__ import annotations
 
-from ckpt._format import dtypes
-from ckpt._format.checksum import ALGORITHM, chunk_checksum
-from ckpt._format.manifest import find_manifest, read_manifest, unpack_map_keys
+from ckpt._format.records import (
+    ALGORITHM,
+    GROUP_METADATA,
+    STORABLE,
+    VALUES,
+    ArraySpec,
+    array_metadata_bytes,
+    chunk_checksum,
+    dtype_from_name,
+    from_storage,
+    storage_of,
+    to_storage,
+    zarr_metadata,
+)
+from ckpt._format.validate import find_manifest, read_manifest, unpack_map_keys
 from ckpt._format.packed import (
     ALIGN,
     DATA_DIR,
@@ -68,8 +80,7 @@ from ckpt._format.tree import (
     storage_paths,
     unflatten,
 )
-from ckpt._format.validate import check_sharding
-from ckpt._format.zarr import GROUP_METADATA, ArraySpec, array_metadata_bytes, zarr_metadata
+from ckpt._format.validate import check_key, check_sharding
 
 # What the layers above use from here.
 __all__ = [
@@ -118,13 +129,19 @@ __all__ = [
     "TUPLE",
     "ZarrStorage",
     "array_metadata_bytes",
+    "check_key",
     "check_sharding",
     "child_names",
     "chunk_checksum",
     "chunk_holders",
     "decode_index",
     "display_path",
-    "dtypes",
+    "dtype_from_name",
+    "from_storage",
+    "storage_of",
+    "to_storage",
+    "STORABLE",
+    "VALUES",
     "encode_index",
     "find_manifest",
     "flatten",

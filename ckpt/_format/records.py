@@ -8,21 +8,180 @@ The manifest protects itself: its last entry, ``manifest_crc32c``, is the CRC-32
 of the file before that CRC (SPEC section 8), and ``zarr_json_crc32c`` records the CRC-32C of
 every ``zarr.json`` the checkpoint holds. A damaged manifest is an error naming the file, never
 different data; a decoded manifest is validated (``_manifest_check``) before anything uses it.
+
+A record says how its leaf's chunks are encoded, so a chunk's encoding lives here too (section
+"A chunk's encoding" below; formats/SPEC.md sections 6 and 8): the storage dtype of every logical
+dtype, the Zarr v3 metadata that declares it (the arrays' zarr.json), and the CRC-32C every chunk
+is checked against.
+
+Dtypes. Zarr v3's core data types are stored natively. Every other dtype JAX has is stored in a
+type both zarr-python and TensorStore open, with the logical dtype recorded beside it:
+- sub-byte integers (int2, int4, uint2, uint4) as int8/uint8 *values*;
+- every other extended float (bfloat16, the float8 and float4 types) as the unsigned integer of
+  the same width holding the *bits*, so no precision is lost and nothing is converted.
+
+Checksums: CRC-32C (Castagnoli) of a chunk file's bytes. Chosen by measurement (bench/,
+docs/design.md): hardware CRC-32C runs at ~15 GiB/s per core here and releases the GIL, so
+checking every chunk costs a few percent of a disk-bound restore. It is also the checksum S3,
+GCS and Zarr's own crc32c codec use, so anyone can check a chunk file with stock tools.
+Computing it on the host copy at save time costs no extra read.
+
+Size: the manifest's records and the encoding of the chunks they describe (storage dtypes,
+zarr.json, CRC-32C) are one part of the on-disk contract (formats/SPEC.md sections 4-8).
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c
+import ml_dtypes
 import msgpack
 import numpy as np
 
 from ckpt._errors import CheckpointError
-from ckpt._format import dtypes as _dtypes
+
+# ---- a chunk's encoding ----------------------------------------------------------------
+
+# Dtypes
+
+_ZARR_CORE = frozenset(
+    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 "
+    "float16 float32 float64 complex64 complex128".split()
+)
+
+BITS, VALUES, NATIVE = "bits", "values", "native"
+
+# Every logical dtype the library writes, and so the only dtype names a manifest may hold
+# (formats/SPEC.md section 6): the Zarr core types plus the ml_dtypes types. Anything else
+# (object, str, datetime, structured, void, longdouble...) is refused on save and on read.
+STORABLE = _ZARR_CORE | frozenset(
+    name for name in dir(ml_dtypes)
+    if not name.startswith("_") and isinstance(getattr(ml_dtypes, name), type)
+    and issubclass(getattr(ml_dtypes, name), np.generic) and np.dtype(getattr(ml_dtypes, name)).name == name
+)
+
+
+# Cached (bounded): called for every leaf of every save and restore, and numpy's dtype names are
+# computed in Python; trees of thousands of leaves use a handful of dtypes.
+@functools.lru_cache(maxsize=1024)
+def dtype_from_name(name: str) -> np.dtype:
+    """np.dtype for a name such as 'float32' or 'bfloat16' (ml_dtypes names included)."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        pass
+    try:
+        return np.dtype(getattr(ml_dtypes, name))
+    except AttributeError:
+        raise TypeError(f"unknown dtype {name!r}") from None
+
+
+@functools.lru_cache(maxsize=1024)
+def storage_of(logical: np.dtype) -> tuple[np.dtype, str]:
+    """(storage dtype, encoding) for a logical dtype; TypeError for a dtype outside STORABLE."""
+    logical = np.dtype(logical)
+    if logical.name not in STORABLE:
+        raise TypeError(f"cannot store dtype {logical.name}")
+    if logical.name in _ZARR_CORE:
+        return logical, NATIVE
+    try:
+        info = ml_dtypes.iinfo(logical)
+    except (ValueError, TypeError):
+        info = None
+    if info is not None:
+        return np.dtype(np.int8 if info.min < 0 else np.uint8), VALUES
+    if logical.itemsize not in (1, 2, 4, 8):
+        raise TypeError(f"cannot store dtype {logical.name}")
+    return np.dtype(f"uint{8 * logical.itemsize}"), BITS
+
+
+def to_storage(a: np.ndarray) -> np.ndarray:
+    """The array as its storage dtype, little-endian and C-contiguous (a view where possible)."""
+    storage, encoding = storage_of(a.dtype)
+    if encoding == BITS:
+        a = a.view(storage)
+    elif encoding == VALUES:
+        a = a.astype(storage)
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    # ascontiguousarray turns a 0-d array into shape (1,); the reshape keeps the shape.
+    return np.ascontiguousarray(a).reshape(a.shape)
+
+
+def from_storage(a: np.ndarray, logical: np.dtype) -> np.ndarray:
+    """Inverse of to_storage."""
+    logical = np.dtype(logical)
+    _, encoding = storage_of(logical)
+    if encoding == BITS:
+        return a.view(logical)
+    if encoding == VALUES:
+        return a.astype(logical)
+    return a
+
+
+# Zarr v3 metadata
+
+import numpy as np
+
+GROUP_METADATA = b'{"zarr_format": 3, "node_type": "group", "attributes": {}}'
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    dtype: np.dtype  # storage dtype
+    attributes: dict = field(default_factory=dict)
+
+
+def _fill_value(dtype: np.dtype):
+    if dtype == np.bool_:
+        return False
+    if dtype.kind == "c":
+        return [0.0, 0.0]
+    return 0
+
+
+def zarr_metadata(spec: ArraySpec) -> dict:
+    """The array's Zarr v3 metadata (its zarr.json): uncompressed little-endian chunks."""
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": list(spec.shape),
+        "data_type": spec.dtype.name,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(spec.chunk_shape)}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": _fill_value(spec.dtype),
+        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+        "attributes": spec.attributes,
+    }
+
+
+def array_metadata_bytes(spec: ArraySpec) -> bytes:
+    """The bytes of the array's zarr.json, as ``Storage.create_array`` writes them (the manifest
+    records their CRC-32C)."""
+    return json.dumps(zarr_metadata(spec)).encode()
+
+
+# Checksums
+
+import numpy as np
+
+ALGORITHM = "crc32c"
+
+
+def chunk_checksum(storage_array: np.ndarray) -> int:
+    """CRC-32C of the bytes of a C-contiguous, little-endian storage array (= the chunk file)."""
+    return crc32c.crc32c(np.ascontiguousarray(storage_array).reshape(-1).view(np.uint8))
+
+
+# ---- the manifest's records -------------------------------------------------------------
 
 FORMAT_NAME = "jax-ckpt"
 FORMAT_VERSION = 3
@@ -178,10 +337,10 @@ class LeafRecord:
     def inline_array(self) -> np.ndarray:
         """The value of an inline array record, in its logical dtype."""
 
-        logical = _dtypes.dtype_from_name(self.dtype)
-        storage_dtype, _ = _dtypes.storage_of(logical)
+        logical = dtype_from_name(self.dtype)
+        storage_dtype, _ = storage_of(logical)
         a = np.frombuffer(self.storage.data, dtype=storage_dtype.newbyteorder("<")).reshape(self.shape)
-        return _dtypes.from_storage(a.astype(storage_dtype), logical)
+        return from_storage(a.astype(storage_dtype), logical)
 
     def py_value(self) -> Any:
         """The Python value of a non-array leaf."""

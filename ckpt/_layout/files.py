@@ -28,8 +28,7 @@ from ckpt._format import (
     array_metadata_bytes,
 )
 from ckpt._geometry import Box, chunk_grid, chunk_key
-from ckpt._layout.arrays import group_paths, metadata_share
-from ckpt._layout.base import FILES, ChunkWriter, ManifestParts, SaveFacts, SaveLayout
+from ckpt._layout.base import FILES, ChunkWriter, ManifestParts, SaveFacts, SaveLayout, group_paths, metadata_share
 from ckpt.storage import Storage, StoreCaps
 
 

@@ -23,6 +23,9 @@ same methods in the same order. Decisions every process must agree on (``should_
 on JAX's preemption sync point (the same on every process) and on the directory as it was when
 the manager opened (or was last ``reload``-ed), never on timing. Retention depends only on
 step numbers, metrics and save times stored in the manifests; only process 0 deletes.
+
+Size: CheckpointManager is one public class; its members (save, restore, retention, preemption,
+items) delegate to the modules beside it.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from ckpt._manager.naming import StepNaming, parse_step, scan_steps, step_dir_na
 from ckpt._manager.retention import METRICS_KEY, best_step, check_metrics, score, steps_to_delete
 from ckpt._manager.steps import StepDirectory
 from ckpt._exit import EXIT_NOTICE_S, on_exit
-from ckpt._options import Options, resolve
+from ckpt._host import Options, resolve
 from ckpt._orbax import step_custom_metadata, step_record
 from ckpt._restore import restore as _restore
 from ckpt._save import SaveHandle, start_save

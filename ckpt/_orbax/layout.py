@@ -26,6 +26,8 @@ What Orbax writes (all JSON but the arrays):
 
 Everything here reads small files through ``ckpt.storage`` (``get`` with a size limit); array data
 is read by ``ckpt._orbax_read`` through TensorStore.
+
+Size: every version of Orbax's on-disk layout this library reads, in one reader.
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ import numpy as np
 
 from ckpt._errors import CheckpointError
 from ckpt._format import ARRAY_KINDS, Manifest, leaf_components, read_manifest, unflatten
-from ckpt._format import dtypes as _dtypes
+from ckpt._format import dtype_from_name, from_storage
 from ckpt._geometry import Box
-from ckpt._memory import gc_paused
-from ckpt._options import Options, resolve
+from ckpt._host import gc_paused
+from ckpt._host import Options, resolve
 
 # The door: what the layers above use from the restore besides restore and metadata.
 from ckpt._restore.orbax_source import OrbaxArrays, is_orbax, open_layout  # noqa: E402,F401
@@ -32,12 +32,12 @@ from ckpt._restore.plan import (  # noqa: E402,F401
     plan_leaf_read,
     wants_for_mesh,
 )
-from ckpt._restore.packed_source import packed_reads
-from ckpt._restore.read import Reader, RestoreStats
+from ckpt._restore.read import Reader, RestoreStats, rec_itemsize
+from ckpt._restore.surgery_source import Part, ViewIO  # noqa: F401 (Part: ckpt.surgery's)
 from ckpt._restore.shared_source import SharedRestore, plan_shared, share_mode
 from ckpt._restore.plan import Asked, restore_tree
 from ckpt._restore.safetensors_source import CODES, INDEX_NAME, META_KEY, SINGLE_NAME  # noqa: E402,F401
-from ckpt._restore.source import foreign_source, open_native, require_manifest  # noqa: F401 (the door)
+from ckpt._restore.source import chunk_source, foreign_source, open_native, require_manifest  # noqa: F401 (the door)
 from ckpt.storage import Storage, open_storage, pinned
 
 
@@ -63,11 +63,11 @@ def _read_regions_pinned(storage: Storage, leaf_path: str, boxes: list[Box], *, 
     if rec.kind not in ARRAY_KINDS:
         raise CheckpointError(f"leaf {leaf_path!r} is not an array")
     stats = RestoreStats()
-    reader = Reader(packed_reads(storage, manifest), manifest.leaves, verify, stats, opts)
-    plan = plan_leaf_read(i, rec.shape, rec.chunk_shape, _dtypes.dtype_from_name(rec.dtype).itemsize, boxes)
-    logical = _dtypes.dtype_from_name(rec.dtype)
+    reader = Reader(chunk_source(storage, manifest), manifest.leaves, verify, stats, opts)
+    plan = plan_leaf_read(i, rec.shape, rec.chunk_shape, dtype_from_name(rec.dtype).itemsize, boxes)
+    logical = dtype_from_name(rec.dtype)
     regions = reader.read([plan])[i]
-    return {b: _dtypes.from_storage(a, logical) for b, a in regions.items()}, stats
+    return {b: from_storage(a, logical) for b, a in regions.items()}, stats
 
 
 def with_budget(options: Options | None, host_budget_bytes: int | str | None) -> Options | None:
@@ -82,21 +82,21 @@ def with_budget(options: Options | None, host_budget_bytes: int | str | None) ->
 @gc_paused()
 def restore_with_stats(path, target=None, *, mesh=None, partial=False, verify=True,
                        options: Options | None = None, host_budget_bytes: int | str | None = None,
-                       allow_lossy_cast: bool = False, axis_names: dict[str, str] | None = None
-                       ) -> tuple[Any, RestoreStats]:
+                       allow_lossy_cast: bool = False, axis_names: dict[str, str] | None = None,
+                       rename: Any = None) -> tuple[Any, RestoreStats]:
     """``restore`` of a jax-ckpt checkpoint, with what the reader did (bytes, requests, budget)."""
     opts = resolve(with_budget(options, host_budget_bytes))
     with open_native(path, opts) as (storage, manifest):
         if manifest is None:
             manifest = require_manifest(storage)  # raises: says why there is no checkpoint here
-        asked = Asked(target, mesh, partial, verify, allow_lossy_cast, axis_names)
+        asked = Asked(target, mesh, partial, verify, allow_lossy_cast, axis_names, rename)
         return _restore_native(storage, manifest, asked, opts)
 
 
 def _restore_native(storage: Storage, manifest: Manifest, asked: Asked, options: Options | None = None
                     ) -> tuple[Any, RestoreStats]:
     opts = resolve(options)
-    storage = packed_reads(storage, manifest)
+    storage = chunk_source(storage, manifest)
     leaves = manifest.leaves
     stats = RestoreStats()
 
@@ -112,14 +112,28 @@ def _restore_native(storage: Storage, manifest: Manifest, asked: Asked, options:
         stats.host_high_water = max(reader.budget.high_water, shared.high_water if shared is not None else 0)
         return built
 
-    return restore_tree(manifest.tree, leaves, asked, build), stats
+    view = _native_view(storage, leaves, asked, stats, opts) if asked.rename is not None else None
+    return restore_tree(manifest.tree, leaves, asked, build, view=view), stats
+
+
+def _native_view(storage: Storage, leaves: list, asked: Asked, stats: RestoreStats, opts: Options) -> ViewIO:
+    """How ``rename=`` parts read saved regions: each through a reader of its own (chunks
+    verified as ``asked``), the view itself through one that does not verify."""
+
+    def regions(wanted: dict[int, list[Box]]) -> dict[tuple[int, Box], np.ndarray]:
+        plans = [plan_leaf_read(i, leaves[i].shape, leaves[i].chunk_shape, rec_itemsize(leaves[i]), boxes)
+                 for i, boxes in wanted.items()]
+        got = Reader(storage, leaves, asked.verify, RestoreStats(), opts).read(plans)
+        return {(i, b): from_storage(a, dtype_from_name(leaves[i].dtype)) for i, r in got.items() for b, a in r.items()}
+
+    return ViewIO(regions, lambda view, every: Reader(view, every, False, stats, opts), opts.host_budget_bytes)
 
 
 @gc_paused()
 def restore(path, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
             partial: bool = False, verify: bool = True, options: Options | None = None,
             host_budget_bytes: int | str | None = None, allow_lossy_cast: bool = False,
-            axis_names: dict[str, str] | None = None) -> Any:
+            axis_names: dict[str, str] | None = None, rename: Any = None) -> Any:
     """Restore the checkpoint at `path`, under any sharding or mesh.
 
     Only the chunks that overlap the regions this process's devices need are read, and each is
@@ -158,7 +172,17 @@ def restore(path, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
             e.g. ``{"data": "batch"}`` when the checkpoint was saved on axes ``("data",
             "model")`` and `mesh` has ``("batch", "model")``; saved axes not named keep their
             name. The sizes need not match: only the mesh's axes must divide each dimension.
-        partial: let `target` be any subset of the saved tree.
+        partial: let `target` be any subset of the saved tree. ``"matching"``: also let it
+            hold leaves the checkpoint lacks (a model grown since: more layers, a new head);
+            those keep the target's own leaves (an array stays that array, a
+            ``ShapeDtypeStruct`` stays one), and restore returns ``(tree, missing)``.
+        rename: with a target, what its leaves (key paths joined with ``.``) are made of: a
+            dict ``{target name: saved name, or a ckpt.surgery part}`` (names it does not list
+            are their own), a function of each saved name returning the target's name (None:
+            not used), or a list of ``(pattern, replacement)`` regular expressions applied to
+            each saved name in order. A part (``ckpt.surgery.stack``, ``unstack``,
+            ``transpose``, ``concat``, ``split``) is read region by region: each process reads
+            only the regions of the saved leaves under its shards.
         verify: check every chunk read against its CRC-32C.
         options: engine, concurrency and memory settings (``ckpt.Options``).
         host_budget_bytes: the host budget of this restore in bytes, or ``"unlimited"``, in
@@ -182,7 +206,9 @@ def restore(path, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
         lists and tuples with ``numpy.ndarray`` leaves (custom nodes become dicts keyed by field
         name, except a node whose only field is ``value``, such as a Flax NNX Variable, which
         becomes that value; typed PRNG keys are key arrays on the default device). Non-array
-        leaves (numbers, strings) come back as saved.
+        leaves (numbers, strings) come back as saved. With ``partial="matching"``: ``(tree,
+        missing)``, `missing` the key paths (``a/b/c``) of the target leaves the checkpoint
+        lacks.
 
     Raises:
         FileNotFoundError: nothing exists at `path`.
@@ -195,15 +221,19 @@ def restore(path, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
             for a PRNG key array), or a target sharding cannot divide a dimension (checked
             before anything is read); the message names the leaf, chunk and file at fault.
             `path` being a CheckpointManager directory is refused with its steps listed and
-            the latest named.
+            the latest named. A `rename` part whose shapes or dtypes do not fit names the leaf.
         ChecksumError: a chunk's bytes do not match its saved checksum.
         TreeMismatchError: the target's key paths differ from the saved ones (``.missing``,
             ``.unexpected``); where they are those of a saved subtree (the model alone), the
-            message names the subtree and how to restore it.
-        ValueError: both `target` and `mesh` were given, `axis_names` is given without `mesh`
+            message names the subtree and how to restore it; where the target has leaves the
+            checkpoint lacks, it suggests ``partial="matching"``. With `rename`: target leaves
+            that match no saved leaf or several, and saved leaves no target leaf uses (unless
+            `partial`), listed by name.
+        ValueError: both `target` and `mesh` were given, `rename` or ``partial="matching"``
+            without a target, `axis_names` is given without `mesh`
             or names an axis the mesh lacks (or one mesh axis twice), or an option is invalid.
-        TypeError: `options` is not a ``ckpt.Options``, or `axis_names` is not a dict of
-            strings.
+        TypeError: `options` is not a ``ckpt.Options``, `axis_names` is not a dict of
+            strings, or `rename` is not a dict, a function or a list of rules.
         OSError: the storage failed (``PermissionError``, ``EIO``...), naming the object.
     """
     options = with_budget(options, host_budget_bytes)
@@ -211,14 +241,14 @@ def restore(path, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
     check_axis_names(axis_names, mesh)
     with open_native(path, opts) as (storage, manifest):
         if manifest is not None:
-            asked = Asked(target, mesh, partial, verify, allow_lossy_cast, axis_names)
+            asked = Asked(target, mesh, partial, verify, allow_lossy_cast, axis_names, rename)
             return _restore_native(storage, manifest, asked, opts)[0]
     source = foreign_source(path, options, opts)
     if source is not None:
         return source.restore(path, target, mesh=mesh, partial=partial, options=options,
-                              allow_lossy_cast=allow_lossy_cast, axis_names=axis_names)
+                              allow_lossy_cast=allow_lossy_cast, axis_names=axis_names, rename=rename)
     return restore_with_stats(path, target, mesh=mesh, partial=partial, verify=verify, options=opts,
-                              allow_lossy_cast=allow_lossy_cast, axis_names=axis_names)[0]
+                              allow_lossy_cast=allow_lossy_cast, axis_names=axis_names, rename=rename)[0]
 
 
 @gc_paused()

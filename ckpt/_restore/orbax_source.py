@@ -26,9 +26,9 @@ from jax.experimental.layout import Format
 
 from ckpt._errors import CheckpointError
 from ckpt._format import ARRAY_KINDS, NUMPY_SCALAR, PRNG_KEY, PY_STR, display_path, unflatten
-from ckpt._format import dtypes as _dtypes
+from ckpt._format import dtype_from_name, storage_of
 from ckpt._geometry import Box, box_shape, box_to_index, chunk_grid, full_box, index_to_box
-from ckpt._options import Options, resolve
+from ckpt._host import Options, resolve
 from ckpt._orbax import Item, Layout, OrbaxLeaf, kind_of, read_layout
 from ckpt._restore.plan import (
     _key_data_sharding,
@@ -41,6 +41,7 @@ from ckpt._restore.plan import (
     logical_shape,
 )
 from ckpt._restore.plan import Asked, restore_tree
+from ckpt._restore.surgery_source import ViewIO
 from ckpt.storage import location_text, open_storage
 
 _METADATA_KEYS = (".zarray", ".zattrs", ".zgroup", "zarr.json")
@@ -129,7 +130,7 @@ class OrbaxArrays:
         implies, or chunks larger than this machine's memory (TensorStore decodes whole chunks;
         asking for one that cannot be allocated would abort the process instead of raising)."""
         leaf = self.layout.leaves[i]
-        layout, dtype = self.stores[i].chunk_layout, _dtypes.dtype_from_name(leaf.record.dtype)
+        layout, dtype = self.stores[i].chunk_layout, dtype_from_name(leaf.record.dtype)
         for shape in (leaf.chunk_shape, layout.read_chunk.shape):
             if shape is not None and _nbytes(shape, dtype) > _memory_bytes():
                 raise CheckpointError(
@@ -207,7 +208,7 @@ def _fill_record(leaf: OrbaxLeaf, store: Any) -> None:
         raise CheckpointError(f"leaf {name!r}: Orbax array {leaf.param!r} does not start at index 0")
     try:
         dtype = np.dtype(store.dtype.numpy_dtype)
-        _dtypes.storage_of(dtype)
+        storage_of(dtype)
     except TypeError:
         raise CheckpointError(f"leaf {name!r}: Orbax array {leaf.param!r} has dtype {store.dtype}, "
                               "which this library does not read") from None
@@ -263,7 +264,7 @@ def _boxes(rec, want: _Want) -> list[Box]:
 def _build(arrays: OrbaxArrays, wants: list[_Want]) -> dict[int, Any]:
     leaves = arrays.layout.leaves
     boxes = [_boxes(leaves[w.index].record, w) for w in wants]
-    sizes = [sum(_nbytes(box_shape(b), _dtypes.dtype_from_name(leaves[w.index].record.dtype)) for b in bs)
+    sizes = [sum(_nbytes(box_shape(b), dtype_from_name(leaves[w.index].record.dtype)) for b in bs)
              for w, bs in zip(wants, boxes)]
     for w, n in zip(wants, sizes):
         if n > _memory_bytes():  # (whatever the shapes claim, never an allocation that cannot succeed)
@@ -286,16 +287,30 @@ def open_layout(path: Any, options: Options) -> Layout:
 
 def restore(path: Any, target: Any = None, *, mesh: jax.sharding.Mesh | None = None, partial: bool = False,
             options: Options | None = None, allow_lossy_cast: bool = False,
-            axis_names: dict[str, str] | None = None) -> Any:
+            axis_names: dict[str, str] | None = None, rename: Any = None) -> Any:
     """``ckpt.restore`` of an Orbax checkpoint (see there; `verify` does not apply)."""
-    asked = Asked(target, mesh, partial, False, allow_lossy_cast, axis_names)
+    asked = Asked(target, mesh, partial, False, allow_lossy_cast, axis_names, rename)
     opts = resolve(options)
     layout = open_layout(path, opts)
     arrays = OrbaxArrays(layout, opts)
     recs = [l.record for l in layout.leaves]
     # (only the arrays the target chose are opened)
     return restore_tree(layout.tree, recs, asked, lambda wants: _build(arrays, wants),
-                        paths=[r.path for r in recs], chosen=arrays.open)
+                        paths=[r.path for r in recs], chosen=arrays.open,
+                        view=_view(arrays, opts) if asked.rename is not None else None)
+
+
+def _view(arrays: OrbaxArrays, opts: Options) -> ViewIO:
+    """How ``rename=`` parts read the regions of Orbax arrays: all of one chunk's in flight at once."""
+    from ckpt._restore.read import Reader, RestoreStats
+
+    def regions(wanted: dict[int, list[Box]]) -> dict[tuple[int, Box], np.ndarray]:
+        for i in wanted:
+            arrays.check_readable(i)
+        pending = {i: arrays.read(i, boxes) for i, boxes in wanted.items()}
+        return {(i, b): a for i, f in pending.items() for b, a in arrays.result(i, f).items()}
+
+    return ViewIO(regions, lambda v, every: Reader(v, every, False, RestoreStats(), opts), opts.host_budget_bytes)
 
 
 def metadata(path: Any, options: Options | None = None) -> Any:

@@ -1,5 +1,5 @@
 """Placing restored data: what each leaf is built as (``_Want``), the units the reader cuts it
-into, the host memory they hold (``HostBudget``, ``_Lease``), and the building of a leaf's
+into, the host memory a batch holds (``_Lease``, of the restore's ``HostBudget``), and the building of a leaf's
 numpy result or its devices' arrays unit by unit.
 
 A leaf whose device shards are all small (under ``BATCH_PUT_MAX_BYTES``) is placed in one
@@ -36,25 +36,8 @@ from jax.sharding import SingleDeviceSharding
 
 from ckpt._format import NUMPY_SCALAR, PRNG_KEY, LeafRecord
 from ckpt._geometry import Box, box_shape, full_box, index_to_box, relative
-from ckpt._memory import aligned_empty
+from ckpt._host import HostBudget, aligned_empty
 from ckpt._restore.plan import _key_data_sharding, _Want
-
-
-class HostBudget:
-    """Host bytes the reader holds now, and the most it ever held (thread-safe counters)."""
-
-    def __init__(self, limit: int):
-        self.limit, self.held, self.high_water = limit, 0, 0
-        self._lock = threading.Lock()
-
-    def take(self, n: int) -> None:
-        with self._lock:
-            self.held += n
-            self.high_water = max(self.high_water, self.held)
-
-    def give(self, n: int) -> None:
-        with self._lock:
-            self.held -= n
 
 
 class _Lease:

@@ -1,6 +1,9 @@
 """Save and restore plans: which process writes or reads which region. Pure functions of
 shapes, shardings and process indices; no I/O, no devices needed, deterministic, so every
 process of a job computes the same plan on its own.
+
+Size: the restore's pure planning (wants from a target or a mesh, regions, chunks, the budget's
+plan) and the one skeleton every source restores through.
 """
 
 from __future__ import annotations
@@ -17,11 +20,15 @@ import numpy as np
 from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from ckpt._errors import CheckpointError
+from ckpt._errors import CheckpointError, TreeMismatchError
 from ckpt._format import ARRAY_KINDS, PRNG_KEY, LeafRecord, display_path, leaf_components, match_target, unflatten
-from ckpt._format import dtypes as _dtypes
+from ckpt._format import dtype_from_name
 from ckpt._geometry import (Box, ShardingInfo, box_size, chunk_box, chunks_overlapping, count_overlapping,
                             mesh_fit_problem, normalize_spec, spec_axes)
+from ckpt._restore.surgery_source import ViewIO, build_view, check_rename, pair_leaves
+
+# restore(partial=MATCHING): fill the leaves the checkpoint has; return the others' key paths.
+MATCHING = "matching"
 
 # What planning one chunk holds (its ChunkRead, index and box tuples, its place in the regions'
 # lists: measured 340-390 bytes with tracemalloc, about as much again in the reader's maps of
@@ -38,7 +45,7 @@ PLAN_ALLOWANCE = 64 << 20
 def plan_budget(budget: int | None) -> int:
     """The bytes plans may take under a host budget of `budget` (None: that of Options())."""
     if budget is None:
-        from ckpt._options import Options
+        from ckpt._host import Options
 
         budget = Options().resolved().host_budget_bytes
     return max(budget, PLAN_ALLOWANCE)
@@ -163,7 +170,7 @@ def _want_from_target(i: int, rec: LeafRecord, t: Any, allow_lossy_cast: bool = 
     if rec.kind not in ARRAY_KINDS:
         return None
     shape, name = logical_shape(rec), display_path(rec.path)
-    saved_dtype = _dtypes.dtype_from_name(rec.dtype)
+    saved_dtype = dtype_from_name(rec.dtype)
     if isinstance(t, Format):
         # jax.experimental.layout.Format(layout, sharding): as a bare sharding (the saved dtype),
         # in that layout. Without a sharding there is nowhere to place it: refused, not numpy.
@@ -305,7 +312,7 @@ def _want_for_mesh(i: int, rec: LeafRecord, mesh: jax.sharding.Mesh, allow_lossy
     `axis_names` (saved name -> `mesh`'s; checked by ``check_axis_names``)."""
     if rec.kind not in ARRAY_KINDS:
         return None
-    dtype = _dtypes.dtype_from_name(rec.dtype)
+    dtype = dtype_from_name(rec.dtype)
     if rec.kind not in ("jax.Array", PRNG_KEY):
         return _Want(i, None, dtype)
     info, name = ShardingInfo.from_record(rec.sharding), display_path(rec.path)
@@ -570,7 +577,7 @@ class ArrayMetadata:
 
 
 def array_metadata(rec: LeafRecord) -> ArrayMetadata:
-    data_dtype = _dtypes.dtype_from_name(rec.dtype)
+    data_dtype = dtype_from_name(rec.dtype)
     dtype: Any = data_dtype
     if rec.kind == PRNG_KEY:
         dtype = jax.eval_shape(lambda: jax.random.key(0, impl=rec.prng_impl)).dtype
@@ -610,33 +617,71 @@ class Asked:
     verify: bool = True
     allow_lossy_cast: bool = False
     axis_names: dict[str, str] | None = None
+    rename: Any = None  # restore(rename=): a dict, a function or regex rules (surgery_source.py)
 
     def __post_init__(self) -> None:
         if self.target is not None and self.mesh is not None:
             raise ValueError("pass either target or mesh, not both")
+        if self.partial not in (False, True, MATCHING):
+            raise ValueError(f"partial must be True, False or {MATCHING!r}, got {self.partial!r}")
+        if self.rename is not None:
+            check_rename(self.rename)
+        if (self.rename is not None or self.partial == MATCHING) and self.target is None:
+            raise ValueError("rename= and partial='matching' need a target (the leaves to fill, in your names)")
 
 
 def restore_tree(tree: dict, records: Sequence[LeafRecord], asked: Asked,
                  build: Callable[[list[_Want]], dict[int, Any]], *, paths: list[str] | None = None,
-                 chosen: Callable[[list[int]], None] | None = None) -> Any:
+                 chosen: Callable[[list[int]], None] | None = None, view: ViewIO | None = None) -> Any:
     """The saved `tree` (its leaves `records`, by index) restored as `asked`: `build(wants)` gives
     the value of every wanted array leaf by index (the source's reader); other leaves are their
     recorded values. `paths`: the leaves' key paths as targets match them (default: from `tree`);
-    `chosen(indices)`: told which leaves the target chose, before any want is made."""
+    `chosen(indices)`: told which leaves the target chose, before any want is made; `view`: how
+    the source reads the regions of leaves that ``rename=`` parts are made of (surgery_source.py).
+    With ``partial="matching"``: (the tree, the key paths of the target leaves the checkpoint
+    lacks, which keep the target's own leaves)."""
     if paths is None:
         paths = ["/".join(c) for c in leaf_components(tree)]
+    views, nodes, missing = [], {}, []
     if asked.target is None:
         pairs = [(i, None) for i in range(len(records))]
         treedef = None
+    elif asked.rename is not None or asked.partial == MATCHING:
+        treedef, pairs, views, nodes, missing = pair_leaves(asked.target, paths, records, asked.rename, asked.partial,
+                                                            chosen)
+        chosen = None  # (told already)
     else:
-        treedef, pairs = match_target(asked.target, paths, partial=asked.partial)
+        treedef, pairs = _match(asked, paths)
+    every = list(records) + views
     if chosen is not None:
         chosen([i for i, _ in pairs])
     if asked.target is None and asked.mesh is not None:
         wants = wants_for_mesh([(i, records[i]) for i, _ in pairs], asked.mesh, asked.allow_lossy_cast,
                                asked.axis_names)
     else:
-        wants = [_want_from_target(i, records[i], t, asked.allow_lossy_cast) for i, t in pairs]
-    built = build([w for w in wants if w is not None])
-    values = [built[i] if i in built else records[i].py_value() for i, _ in pairs]
-    return unflatten(tree, values) if treedef is None else jtu.tree_unflatten(treedef, values)
+        wants = [_want_from_target(i, every[i], t, asked.allow_lossy_cast) for i, t in pairs]
+    built = build([w for w in wants if w is not None and w.index < len(records)])
+    if views:  # (rename= parts: read through the source's view)
+        built.update(build_view([w for w in wants if w is not None and w.index >= len(records)], every, nodes, view))
+    values = [built[i] if i in built else every[i].py_value() for i, _ in pairs]
+    if treedef is None:
+        return unflatten(tree, values)
+    if asked.partial != MATCHING:
+        return jtu.tree_unflatten(treedef, values)
+    for pos, leaf, _ in missing:  # (positions in target order: each goes in before the later ones)
+        values.insert(pos, leaf)
+    return jtu.tree_unflatten(treedef, values), [path for _, _, path in missing]
+
+
+def _match(asked: Asked, paths: list[str]) -> tuple[Any, list[tuple[int, Any]]]:
+    """``match_target``, whose error for target leaves the checkpoint lacks says how to restore
+    the rest (``partial="matching"``)."""
+    try:
+        return match_target(asked.target, paths, partial=asked.partial)
+    except TreeMismatchError as e:
+        if e.unexpected:
+            e.args = (f"{e.args[0]}\n  to restore the leaves the checkpoint has and keep the target's own for these "
+                      f"{len(e.unexpected)} (a model grown since: more layers, a new head), pass partial={MATCHING!r}: "
+                      "restore then returns (tree, missing key paths)",)
+        raise
+

@@ -13,12 +13,15 @@ reader allocates is counted in a ``HostBudget`` where it is allocated, so the hi
 measured, not predicted. Not counted: a numpy result the caller asked for (it is the result) and
 device memory (on CPU, device memory is host memory: a device buffer may even adopt a host
 buffer handed to ``device_put``; such buffers are never written after).
+
+Size: the reader's batches, reads in flight, checks and assembly are one pipeline whose memory
+accounting must be read whole.
 """
 from __future__ import annotations
 
 import gc
 import math
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +30,7 @@ import numpy as np
 
 from ckpt._errors import CheckpointError, ChecksumError
 from ckpt._format import PRNG_KEY, LeafRecord, chunk_checksum, display_path
-from ckpt._format import dtypes as _dtypes
+from ckpt._format import VALUES, dtype_from_name, from_storage, storage_of, to_storage
 from ckpt._geometry import (
     Box,
     box_shape,
@@ -42,12 +45,22 @@ from ckpt._geometry import (
     intersect,
     relative,
 )
-from ckpt._memory import PAGE, ReadBuffers, aligned_empty
-from ckpt._options import Options
-from ckpt._restore.place import BATCH_PUT_MAX_BYTES, HostBudget, _Build, _Lease, _Piece, _split, _Unit
+from ckpt._host import PAGE, HostBudget, ReadBuffers, aligned_empty
+from ckpt._host import Options
+from ckpt._restore.place import BATCH_PUT_MAX_BYTES, _Build, _Lease, _Piece, _split, _Unit
 from ckpt._restore.plan import PLAN_BYTES_PER_CHUNK, LeafReadPlan, plan_budget, _key_data_sharding, _Want, cast_values, held_note, plan_leaf_read
 from ckpt._layout import ChunkRuns
-from ckpt.storage import Done, Storage, StoreCaps
+from ckpt.storage import Storage, StoreCaps
+
+
+def _resolved(value: Any = None, error: BaseException | None = None) -> Future:
+    """A future that is already done (inline data, a read that failed to start)."""
+    future: Future = Future()
+    if error is None:
+        future.set_result(value)
+    else:
+        future.set_exception(error)
+    return future
 
 
 @dataclass
@@ -81,7 +94,7 @@ def _bounding_box(boxes: list[Box]) -> Box:
 
 
 def rec_itemsize(rec: LeafRecord) -> int:
-    return _dtypes.dtype_from_name(rec.dtype).itemsize
+    return dtype_from_name(rec.dtype).itemsize
 
 
 class Reader:
@@ -109,7 +122,7 @@ class Reader:
         sharding = want.sharding
         if sharding is not None and rec.kind == PRNG_KEY:
             sharding = _key_data_sharding(sharding, rec)
-        itemsize = _dtypes.dtype_from_name(rec.dtype).itemsize
+        itemsize = dtype_from_name(rec.dtype).itemsize
         # Many leaves share a shape, sharding and chunking (layer stacks, optimizer states):
         # their plans differ only in the leaf index.
         key = (sharding, rec.shape, rec.chunk_shape, itemsize)
@@ -139,7 +152,7 @@ class Reader:
         """Host bytes a source holds once read (a trimmed copy of an edge chunk included)."""
         if key[0] == "i":
             rec = self.leaves[key[1]]
-            return 2 * math.prod(rec.shape) * _dtypes.dtype_from_name(rec.dtype).itemsize
+            return 2 * math.prod(rec.shape) * dtype_from_name(rec.dtype).itemsize
         st = self._array_of(key)
         itemsize = np.dtype(st.data_type).itemsize
         padded = math.prod(st.chunk_shape) * itemsize
@@ -184,11 +197,11 @@ class Reader:
 
     def _unit_cost(self, rec: LeafRecord, want: _Want, box: Box, pieces) -> int:
         n = box_size(box)
-        logical = _dtypes.dtype_from_name(rec.dtype)
-        storage_size = _dtypes.storage_of(logical)[0].itemsize
+        logical = dtype_from_name(rec.dtype)
+        storage_size = storage_of(logical)[0].itemsize
         direct = len(pieces) == 1 and pieces[0].box == box
         cost = 0 if direct else n * storage_size  # an assembled copy
-        if _dtypes.storage_of(logical)[1] == _dtypes.VALUES:
+        if storage_of(logical)[1] == VALUES:
             cost += n * logical.itemsize
         if np.dtype(want.dtype) != logical:
             cost += n * np.dtype(want.dtype).itemsize
@@ -324,7 +337,7 @@ class Reader:
     def read(self, plans: list[LeafReadPlan]) -> dict[int, dict[Box, np.ndarray]]:
         """The regions of each plan (storage dtype), every chunk read once, verified; one batch
         (the caller asked for these regions: no budget applies)."""
-        self.wants = [_Want(p.leaf, None, _dtypes.dtype_from_name(self.leaves[p.leaf].dtype)) for p in plans]
+        self.wants = [_Want(p.leaf, None, dtype_from_name(self.leaves[p.leaf].dtype)) for p in plans]
         self._sources = {}
         units = []
         for k, p in enumerate(plans):
@@ -383,7 +396,7 @@ class Reader:
             lease.take(view.nbytes)  # device_put would copy it anyway, uncounted
             return np.ascontiguousarray(view), False
         rec = self.leaves[self.wants[u.k].index]
-        dtype = _dtypes.storage_of(_dtypes.dtype_from_name(rec.dtype))[0].newbyteorder("<")
+        dtype = storage_of(dtype_from_name(rec.dtype))[0].newbyteorder("<")
         shape = box_shape(u.box)
         out = aligned_empty(math.prod(shape) * dtype.itemsize)
         lease.take(out.nbytes)
@@ -395,8 +408,8 @@ class Reader:
         return out, False
 
     def _convert(self, rec: LeafRecord, want: _Want, a: np.ndarray, lease) -> tuple[np.ndarray, bool]:
-        saved = _dtypes.dtype_from_name(rec.dtype)
-        b = _dtypes.from_storage(a, saved)
+        saved = dtype_from_name(rec.dtype)
+        b = from_storage(a, saved)
         copied = not np.may_share_memory(a, b)
         if copied:
             lease.take(b.nbytes)
@@ -414,9 +427,9 @@ class Reader:
         asynchronous I/O of its own, else on `executor`. `into`: a buffer from ``self.buffers``."""
         rec, _ = self._sources[key]
         if key[0] == "i":
-            a = _dtypes.to_storage(rec.inline_array())
+            a = to_storage(rec.inline_array())
             lease.take(2 * a.nbytes)  # the logical value and its storage form
-            return Done(a)
+            return _resolved(a)
         st = self._array_of(key)
         # A chunk file always holds the whole chunk shape (an edge chunk's part outside the
         # array is padding, which the checksum does not cover).
@@ -426,7 +439,7 @@ class Reader:
             extra = () if into is None else (into,)
             return self.storage.read_chunk_async(st.path, key[2], padded, executor, *extra)
         except (OSError, CheckpointError) as e:  # reported where the chunk is used, naming it
-            return Done(error=e)
+            return _resolved(error=e)
 
     def issue_merged(self, keys: list[tuple], lease: _Lease, executor: ThreadPoolExecutor) -> dict[tuple, Any]:
         """Where the storage reads many chunks at once (``read_chunks``: a packed checkpoint,

@@ -17,6 +17,9 @@ Symbolic links: a link among the files is followed only when its target stays un
 the files are read from (``Storage.read_range``); that root is the directory named (or the
 named file's), except in a Hugging Face cache snapshot (``<repo>/snapshots/<revision>/``, beside a
 ``<repo>/blobs/`` directory), whose files are links into ``blobs/``: there the root is ``<repo>``.
+
+Size: the safetensors format (header, index files, Hugging Face cache snapshots) and the source that
+reads it are one reader.
 """
 
 from __future__ import annotations
@@ -44,10 +47,10 @@ from ckpt._format import (
     check_sharding,
     unflatten,
 )
-from ckpt._format import dtypes as _dtypes
-from ckpt._geometry import Box, box_shape, chunk_box, chunk_grid, index_to_box
-from ckpt._memory import aligned_empty
-from ckpt._options import Options, resolve
+from ckpt._format import dtype_from_name, storage_of
+from ckpt._geometry import Box, box_shape, chunk_box, chunk_grid, common_grid, index_to_box
+from ckpt._host import aligned_empty
+from ckpt._host import Options, resolve
 from ckpt.storage import ChunkFiles, Storage, StoreCaps, location_text, open_storage, pinned
 
 # safetensors dtype codes and the numpy/ml_dtypes names they are (byte-sized types only: the
@@ -163,7 +166,7 @@ def parse_header(header: bytes, data_bytes: int | None, file: str, where: str) -
         if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)
                 or not 0 <= offsets[0] <= offsets[1]):
             raise bad(f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
-        itemsize = np.dtype(_dtypes.dtype_from_name(DTYPES[code])).itemsize
+        itemsize = np.dtype(dtype_from_name(DTYPES[code])).itemsize
         want = math.prod(shape) * itemsize
         if offsets[1] - offsets[0] != want:
             raise bad(f"tensor {name!r} of shape {shape} {code} needs {want} bytes, "
@@ -276,16 +279,17 @@ def _split(text: str) -> tuple[str, str]:
 
 def is_safetensors(location: Any, options: Options | None = None) -> bool:
     """Whether `location` names safetensors rather than a jax-ckpt checkpoint: a ``.safetensors``
-    file, a ``.safetensors.index.json``, or a local directory without a manifest that holds
-    them. Cheap: at most a stat for a local checkpoint, no I/O for a URL."""
-    if options is not None and callable(options.engine):
-        return False  # a custom engine decides what its locations are
+    file, a ``.safetensors.index.json``, or (not through a custom engine) a local directory
+    without a manifest that holds them. Cheap: at most a stat for a local checkpoint, no I/O for
+    a URL or a custom engine."""
     try:
         text = location_text(location)
     except (TypeError, CheckpointError):
         return False
     if text.endswith(SUFFIX) or text.endswith(SUFFIX + ".index.json"):
         return True
+    if options is not None and callable(options.engine):
+        return False  # a custom engine decides what its directories hold: named files only
     if "://" in text or os.path.exists(os.path.join(text, MANIFEST_NAME)) or not os.path.isdir(text):
         return False
     try:
@@ -377,23 +381,14 @@ def tree_of(names: list[str], where: str) -> dict:
 
 
 def _record(i: int, t: Tensor) -> LeafRecord:
-    logical = _dtypes.dtype_from_name(t.dtype)
-    storage_dtype, encoding = _dtypes.storage_of(logical)
+    logical = dtype_from_name(t.dtype)
+    storage_dtype, encoding = storage_of(logical)
     storage: Any = (InlineStorage(b"") if t.nbytes == 0 else
                     ZarrStorage(str(i), tuple(t.shape), storage_dtype.name, encoding, "none"))
     return LeafRecord(t.name, "jax.Array", tuple(t.shape), logical.name,
                       t.sharding or {"kind": "single_device"}, storage)
 
 
-def _chunk_shape(shape: tuple[int, ...], boxes: list[Box]) -> tuple[int, ...]:
-    """The coarsest grid whose chunk boundaries include every box's: each box is whole chunks."""
-    out = []
-    for d, n in enumerate(shape):
-        g = n
-        for b in boxes:
-            g = math.gcd(math.gcd(g, b[d][0]), b[d][1])
-        out.append(max(1, g))
-    return tuple(out)
 
 
 def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -407,7 +402,7 @@ def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 def read_box(reader: RangeReader, t: Tensor, box: Box, out: np.ndarray) -> None:
     """Fill `out` (uint8, C-contiguous, the box's bytes) with a region of tensor `t`, reading
     only byte ranges of that region (rows of it where one range would read much more)."""
-    itemsize = _dtypes.dtype_from_name(t.dtype).itemsize
+    itemsize = dtype_from_name(t.dtype).itemsize
     shape_b = tuple(t.shape) + (itemsize,)
     strides = _c_strides(shape_b)
 
@@ -461,13 +456,14 @@ def _boxes(want, rec: LeafRecord) -> list[Box]:
 
 def restore_with_stats(location: Any, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
                        partial: bool = False, options: Options | None = None, allow_lossy_cast: bool = False,
-                       axis_names: dict[str, str] | None = None):
+                       axis_names: dict[str, str] | None = None, rename: Any = None):
     """``ckpt.restore`` of safetensors (see ``restore``); also returns the RestoreStats and the
     RangeReader's byte count."""
     from ckpt._restore.read import Reader, RestoreStats
     from ckpt._restore.plan import Asked, restore_tree
+    from ckpt._restore.surgery_source import ViewIO
 
-    asked = Asked(target, mesh, partial, False, allow_lossy_cast, axis_names)
+    asked = Asked(target, mesh, partial, False, allow_lossy_cast, axis_names, rename)
     opts = resolve(options)
     tset = open_tensors(location, opts)
     stats = RestoreStats()
@@ -479,13 +475,25 @@ def restore_with_stats(location: Any, target: Any = None, *, mesh: jax.sharding.
             for w in wants:
                 rec = leaves[w.index]
                 if rec.zarr is not None:
-                    chunks = _chunk_shape(rec.shape, _boxes(w, rec))
+                    chunks = common_grid(rec.shape, _boxes(w, rec))
                     # No checksums in safetensors (the reader is told not to verify).
                     rec.storage = replace(rec.zarr, chunk_shape=chunks,
                                           chunk_checksums=(0,) * math.prod(chunk_grid(rec.shape, chunks)))
             return Reader(_ChunkSource(tset, leaves), leaves, False, stats, opts).run(wants)
 
-        result = restore_tree(tree, leaves, asked, build)
+        def regions(wanted: dict[int, list[Box]]) -> dict[tuple[int, Box], np.ndarray]:  # (rename= parts)
+            out = {}
+            for i, boxes in wanted.items():
+                t = tset.tensors[i]
+                for b in boxes:
+                    buf = aligned_empty(math.prod(box_shape(b)) * np.dtype(dtype_from_name(t.dtype)).itemsize)
+                    read_box(tset.reader, t, b, buf)
+                    out[(i, b)] = buf.view(dtype_from_name(t.dtype)).reshape(box_shape(b))
+            return out
+
+        view = (ViewIO(regions, lambda v, every: Reader(v, every, False, stats, opts), opts.host_budget_bytes)
+                if asked.rename is not None else None)
+        result = restore_tree(tree, leaves, asked, build, view=view)
     finally:
         tset.reader.close()
     return result, stats, tset.reader.bytes_read
@@ -493,12 +501,12 @@ def restore_with_stats(location: Any, target: Any = None, *, mesh: jax.sharding.
 
 def restore(location: Any, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
             partial: bool = False, options: Options | None = None, allow_lossy_cast: bool = False,
-            axis_names: dict[str, str] | None = None) -> Any:
+            axis_names: dict[str, str] | None = None, rename: Any = None) -> Any:
     """Tensors named 'a.b.c' come back as the tree {'a': {'b': {'c': ...}}}; a target's key
     paths match those names. With `mesh`, tensors ``ckpt export`` recorded a sharding for take
     its PartitionSpec; others are replicated over the mesh."""
     return restore_with_stats(location, target, mesh=mesh, partial=partial, options=options,
-                              allow_lossy_cast=allow_lossy_cast, axis_names=axis_names)[0]
+                              allow_lossy_cast=allow_lossy_cast, axis_names=axis_names, rename=rename)[0]
 
 
 def metadata(location: Any, options: Options | None = None) -> Any:
@@ -515,7 +523,7 @@ def metadata(location: Any, options: Options | None = None) -> Any:
         info = ShardingInfo.from_record(t.sharding)
         named = info is not None and info.kind == "named"
         values.append(ArrayMetadata(
-            shape=tuple(t.shape), dtype=_dtypes.dtype_from_name(t.dtype),
+            shape=tuple(t.shape), dtype=dtype_from_name(t.dtype),
             mesh_axis_names=info.axis_names if named else None, mesh_axis_sizes=info.axis_sizes if named else None,
             partition_spec=PartitionSpec(*info.spec) if named else None, chunk_shape=None, nbytes=t.nbytes,
             kind="jax.Array" if named else "numpy.ndarray", storage_path=t.file.rsplit("/", 1)[-1],

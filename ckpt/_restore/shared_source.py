@@ -27,8 +27,8 @@ Leaves that cannot share (numpy targets, custom device layouts, PRNG keys, data 
 the manifest, shardings other than ``NamedSharding``, fewer replicas across processes than asked)
 are read by the ordinary reader, as they are without this module.
 
-(One module of about 490 lines: its plan, agreement, exchange and placement are one protocol
-every process must run identically, and the restore pipeline holds no sixth step module.)
+Size: its plan, agreement, exchange and placement are one protocol every process must run
+identically, and the restore pipeline holds no sixth step module.
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from ckpt._distributed import distributed_coordinator
 from ckpt._errors import CheckpointError
 from ckpt._format import PRNG_KEY, LeafRecord, display_path
-from ckpt._format import dtypes as _dtypes
+from ckpt._format import dtype_from_name, from_storage
 from ckpt._geometry import Box, box_shape, box_size, full_box, index_to_box, intersect, relative
-from ckpt._memory import aligned_empty, return_to_os
-from ckpt._options import SHARE_MIN_REPLICAS, Options
+from ckpt._host import aligned_empty, return_to_os
+from ckpt._host import SHARE_MIN_REPLICAS, Options
 from ckpt._restore.place import _zeros_on
 from ckpt._restore.plan import _Want, cast_values, held_note, plan_leaf_read
 from ckpt._restore.read import Reader, RestoreStats
@@ -345,7 +345,7 @@ class SharedRestore:
                     w, rec = g.wants[k], self.leaves[g.wants[k].index]
                     boxes = {index_to_box(x, rec.shape) for x in w.sharding.addressable_devices_indices_map(
                         tuple(rec.shape)).values()}
-                    needed = sum(box_size(b) for b in boxes) * _dtypes.dtype_from_name(rec.dtype).itemsize
+                    needed = sum(box_size(b) for b in boxes) * dtype_from_name(rec.dtype).itemsize
                     self.stats.bytes_needed += needed
                     self.stats.per_leaf[rec.path] = (self._read.get(rec.path, 0), needed)
             return out
@@ -454,7 +454,7 @@ class SharedRestore:
         plans = []
         for k, items in by_leaf.items():
             w, rec = g.wants[k], self.leaves[g.wants[k].index]
-            plans.append(plan_leaf_read(w.index, rec.shape, rec.chunk_shape, _dtypes.dtype_from_name(rec.dtype).itemsize,
+            plans.append(plan_leaf_read(w.index, rec.shape, rec.chunk_shape, dtype_from_name(rec.dtype).itemsize,
                                         [part for *_, part in items]))
         if not plans:
             return bufs
@@ -471,10 +471,10 @@ class SharedRestore:
         self._take(held)
         for k, items in by_leaf.items():
             w, rec = g.wants[k], self.leaves[g.wants[k].index]
-            saved = _dtypes.dtype_from_name(rec.dtype)
+            saved = dtype_from_name(rec.dtype)
             dtype = np.dtype(w.dtype)
             for slot, p, box, part in items:
-                a = _dtypes.from_storage(regions[w.index][part], saved)
+                a = from_storage(regions[w.index][part], saved)
                 if a.dtype != dtype:
                     a = cast_values(a, dtype, display_path(rec.path), w.lossy_ok, held_note(w, saved))
                 view = bufs[slot][p.offset:p.offset + p.nbytes].view(dtype).reshape(box_shape(box))

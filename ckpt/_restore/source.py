@@ -14,10 +14,10 @@ from typing import Any, Iterator, Protocol
 
 from ckpt._errors import CheckpointError
 from ckpt._format import MANIFEST_NAME, Manifest, find_manifest, is_temp_name, read_manifest
-from ckpt._options import Options
+from ckpt._host import Options
+from ckpt._layout import packed_reads
 from ckpt._orbax import PYTREE_METADATA, STEP_METADATA, TMP_MARK, step_of
 from ckpt._restore import orbax_source, safetensors_source
-from ckpt._restore.packed_source import packed_reads
 from ckpt.storage import Storage, open_storage, pinned
 
 
@@ -26,12 +26,22 @@ class Source(Protocol):
 
     def detect(self, path: Any, options: Options | None) -> bool: ...
     def restore(self, path: Any, target: Any, *, mesh: Any, partial: bool, options: Options | None,
-                allow_lossy_cast: bool = False, axis_names: dict[str, str] | None = None) -> Any: ...
+                allow_lossy_cast: bool = False, axis_names: dict[str, str] | None = None,
+                rename: Any = None) -> Any: ...
     def metadata(self, path: Any, options: Options | None) -> Any: ...
 
 
 # Sniffed in this order, and only where the location holds no jax-ckpt manifest.
 FOREIGN: tuple[Source, ...] = (safetensors_source.SOURCE, orbax_source.SOURCE)
+
+
+def chunk_source(storage: Storage, manifest: Manifest | None) -> Storage:
+    """What the chunks of the checkpoint at `storage` are read through: the store itself (the
+    files layout: an object per chunk), or, for a packed checkpoint, the layout's reader
+    (``ckpt._layout.PackedChunks``: through the index objects)."""
+    if manifest is None or manifest.layout is None:
+        return storage
+    return packed_reads(storage, manifest)
 
 
 @contextlib.contextmanager
@@ -49,7 +59,7 @@ def open_native(path: Any, options: Options) -> Iterator[tuple[Storage, Manifest
             yield storage, None
         else:
             manifest = find_manifest(reading)
-            yield packed_reads(reading, manifest), manifest
+            yield chunk_source(reading, manifest), manifest
 
 
 def foreign_source(path: Any, options: Options | None, resolved: Options) -> Source | None:

@@ -1,5 +1,8 @@
 """save / save_async: flatten, describe, plan, stage to host, then write and commit in the
 background. ``save`` is ``save_async(...).wait()``; there is one save path.
+
+Size: the public save and its handle, and the named steps it runs in order (plan, agree, copy,
+write, finish).
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import msgpack
 from ckpt._errors import CheckpointError
 from ckpt._format import flatten, storage_paths
 from ckpt._exit import EXIT_NOTICE_S, on_exit
-from ckpt._memory import gc_paused
-from ckpt._options import Options, resolve, save_chunk_cap
+from ckpt._host import gc_paused
+from ckpt._host import Options, resolve, save_chunk_cap
 
 from ckpt._save.plan import (
     STACK_CHUNK_BYTES,
@@ -43,7 +46,7 @@ from ckpt._save.host_copy import (
     copy_to_host,
 )
 from ckpt._save.job import Cancel, SaveJob, describe_error
-from ckpt._save.write import END
+from ckpt._save.job import END
 from ckpt._commit import Staged, commit_for, current_coordinator
 from ckpt._layout import SaveFacts, array_specs, layout_name, save_layout
 from ckpt.storage import open_storage

@@ -7,6 +7,9 @@ handed to storage and not yet durable, and the free buffers the process-wide ``S
 keeps. ``copy_to_host`` takes budget before it starts a chunk's copy and blocks while the budget is
 spent; the writer gives the budget back when the chunk's write is durable and checksummed. Once
 ``copy_to_host`` has yielded every chunk, the caller may donate, delete or overwrite the arrays.
+
+Size: the device-to-host step and the budget that bounds it (the staging pool, leases, buffers still
+referenced) are one piece of accounting, read together.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from typing import Any, Iterator, Sequence
 import jax
 import numpy as np
 
-from ckpt._format import dtypes as _dtypes
+from ckpt._format import VALUES, storage_of
 from ckpt._geometry import full_box, index_to_box, relative
-from ckpt._memory import return_to_os as _return_to_os
-from ckpt._memory import unreferenced as _unreferenced
+from ckpt._host import HostBudget
+from ckpt._host import return_to_os as _return_to_os
+from ckpt._host import unreferenced as _unreferenced
 from ckpt._save.plan import HOST, BundledWrite, ShardWrite
 
 PAGE = 4096  # staging buffers are page aligned and sized, for direct (O_DIRECT) writes
@@ -43,7 +47,7 @@ def _pages(nbytes: int) -> int:
 
 
 def _allocate(nbytes: int) -> np.ndarray:
-    from ckpt._memory import aligned_empty
+    from ckpt._host import aligned_empty
     return aligned_empty(nbytes, PAGE)
 
 
@@ -133,15 +137,16 @@ class Lease:
         self.nbytes, self.buffer = nbytes, buffer
 
 
-class SaveBudget:
+class SaveBudget(HostBudget):
     """The host bytes of one save: at most `limit` (a chunk larger than the limit is staged
-    alone, only when nothing else is held). `high_water` is the most ever counted: this save's
-    leases plus the pool's free buffers; tests assert it stays within `limit`."""
+    alone, only when nothing else is held), `held` by its leases. ``acquire`` waits for room and
+    takes a pooled buffer where one fits; ``release`` gives it back. `high_water` is the most
+    ever counted: this save's leases plus the pool's free buffers; tests assert it stays within
+    `limit`."""
 
     def __init__(self, limit: int, *, pool: StagingPool = POOL, keep: bool = True) -> None:
-        self.limit, self.pool, self.keep = limit, pool, keep
-        self.used = 0
-        self.high_water = 0
+        super().__init__(limit)
+        self.pool, self.keep = pool, keep
         self.waited = False  # whether a chunk ever had to wait for budget
         self.written_off = 0  # buffers still referenced after RELEASE_GRACE_S (no longer counted)
         self._lingering: deque = deque()  # (buffer, deadline): released, still referenced
@@ -153,7 +158,18 @@ class SaveBudget:
             _return_to_os()
 
     def _note(self) -> None:
-        self.high_water = max(self.high_water, self.used + self.pool.free_bytes)
+        self.high_water = max(self.high_water, self.held + self.pool.free_bytes)
+
+    def take(self, n: int) -> None:
+        """Count `n` bytes without waiting for room (the meter's take, under the save's lock)."""
+        with _COND:
+            self.held += n
+            self._note()
+
+    def give(self, n: int) -> None:
+        with _COND:
+            self.held -= n
+            _COND.notify_all()
 
     def acquire(self, nbytes: int, *, buffer: bool, block: bool = True) -> Lease | None:
         """Count `nbytes` (with a page-aligned buffer of that size when `buffer`); None if that
@@ -169,24 +185,24 @@ class SaveBudget:
                     if buffer and self.keep:
                         pooled = self.pool._pop(need)
                         if pooled is not None:
-                            self.used += pooled.nbytes
+                            self.held += pooled.nbytes
                             self._note()
                             return Lease(pooled.nbytes, pooled)
                     free = self.pool.free_bytes
-                    if self.used + free + need > self.limit and buffer and self.keep:
+                    if self.held + free + need > self.limit and buffer and self.keep:
                         # No room for a new buffer: a larger free one serves (its pages are
                         # already the process's; trading it for a new one would fault new pages).
                         pooled = self.pool._pop(need, most=float("inf"))
                         if pooled is not None:
-                            self.used += pooled.nbytes
+                            self.held += pooled.nbytes
                             self._note()
                             return Lease(pooled.nbytes, pooled)
-                    if self.used + free + need > self.limit and free:
+                    if self.held + free + need > self.limit and free:
                         # Free buffers of other sizes make room for this one.
-                        dropped += self.pool._shrink(max(0, self.limit - self.used - need))
+                        dropped += self.pool._shrink(max(0, self.limit - self.held - need))
                         free = self.pool.free_bytes
-                    if self.used + free + need <= self.limit or self.used == 0:
-                        self.used += need
+                    if self.held + free + need <= self.limit or self.held == 0:
+                        self.held += need
                         self._note()
                         counted = True
                         break
@@ -226,9 +242,9 @@ class SaveBudget:
 
     def _free(self, buf: np.ndarray | None, nbytes: int) -> bool:
         """Uncount `nbytes`; pool `buf` if there is room. Whether it was pooled."""
-        self.used -= nbytes
+        self.held -= nbytes
         if buf is not None and self.keep and self._error is None:
-            if self.used + self.pool.free_bytes + buf.nbytes <= self.limit:
+            if self.held + self.pool.free_bytes + buf.nbytes <= self.limit:
                 self.pool._push(buf)
                 return True
         return False
@@ -274,7 +290,7 @@ class SaveBudget:
 
 def _copies_on_conversion(dtype: np.dtype) -> bool:
     """Whether the storage form of `dtype` is a converted copy (counted twice in the budget)."""
-    return _dtypes.storage_of(dtype)[1] == _dtypes.VALUES or dtype.byteorder == ">"
+    return storage_of(dtype)[1] == VALUES or dtype.byteorder == ">"
 
 
 class _Sources:

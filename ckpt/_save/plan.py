@@ -1,5 +1,9 @@
 """Describing leaves for a save: what kind each is, how it is stored (inline in the manifest or
-as a Zarr array with which chunk shape), and where its unique shards live. No I/O."""
+as a Zarr array with which chunk shape), and where its unique shards live. No I/O.
+
+Size: a pure planner (describe every leaf, then plan which process and device writes each unique
+shard): one function of its inputs, tested alone.
+"""
 
 from __future__ import annotations
 
@@ -36,9 +40,9 @@ from ckpt._format import (
     ZarrStorage,
     display_path,
 )
-from ckpt._format import dtypes as _dtypes
+from ckpt._format import dtype_from_name, storage_of, to_storage
 from ckpt._geometry import Box, box_size, describe_sharding, full_box, index_to_box
-from ckpt._options import PACK_LIMIT
+from ckpt._host import PACK_LIMIT
 
 
 @dataclass
@@ -75,7 +79,7 @@ def _sharding_record(sharding, ndim: int) -> dict:
 
 
 def _inline_record(rec: LeafRecord, host: np.ndarray) -> None:
-    rec.storage = InlineStorage(_dtypes.to_storage(host).tobytes())
+    rec.storage = InlineStorage(to_storage(host).tobytes())
 
 
 def _divisors(n: int) -> list[int]:
@@ -162,7 +166,7 @@ def describe(leaf: FlatLeaf, process_count: int, max_chunk_bytes: int | None = N
         if a.dtype.kind in "OUSMm" or a.dtype.names is not None or a.dtype.subdtype is not None:
             raise CheckpointError(f"leaf {display_path(path)!r}: cannot save numpy dtype {a.dtype}")
         try:
-            _dtypes.storage_of(a.dtype)
+            storage_of(a.dtype)
         except TypeError:
             raise CheckpointError(f"leaf {display_path(path)!r}: cannot save numpy dtype {a.dtype}") from None
         rec.shape, rec.dtype = a.shape, a.dtype.name
@@ -209,7 +213,7 @@ def finish_array_records(leaves: list[Leaf], paths: list[str]) -> None:
     for leaf, spath in zip(leaves, paths):
         if leaf.source is None:
             continue
-        storage_dtype, encoding = _dtypes.storage_of(leaf.logical_dtype)
+        storage_dtype, encoding = storage_of(leaf.logical_dtype)
         # chunk_checksums are filled in at commit.
         leaf.record.storage = ZarrStorage(spath, tuple(leaf.chunk_shape), storage_dtype.name, encoding, ALGORITHM)
 
@@ -223,7 +227,7 @@ def bundle_records(leaves: list[Leaf], plan: SavePlan) -> list[Stack]:
         leaf.record.storage = dataclasses.replace(leaf.record.storage, chunk_shape=leaf.chunk_shape)
     stacks = []
     for s, planned in enumerate(plan.stacks):
-        storage_dtype, encoding = _dtypes.storage_of(_dtypes.dtype_from_name(planned.dtype))
+        storage_dtype, encoding = storage_of(dtype_from_name(planned.dtype))
         zarr = ZarrStorage(f"{STACKS_DIR}/{s}", (planned.chunk_members, *planned.shape), storage_dtype.name,
                            encoding, ALGORITHM)
         stack = Stack((len(planned.members), *planned.shape), planned.dtype, zarr)

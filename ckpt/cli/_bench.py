@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from ckpt._errors import CheckpointError
-from ckpt._options import Options
+from ckpt._host import Options
 from ckpt._restore import restore
 from ckpt._save import save_async
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from ckpt._errors import CheckpointError
 from ckpt._format import GENERATION_MARK, MANIFEST_NAME, is_temp_name, read_manifest
-from ckpt._options import Options
+from ckpt._host import Options
 from ckpt._commit import Leftover, commit_for
 from ckpt.storage import Storage, name_of
 

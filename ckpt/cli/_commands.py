@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-from ckpt._options import Options
+from ckpt._host import Options
 from ckpt.cli._foreign import refuse_foreign
 from ckpt.cli._style import console, progress_bar
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from ckpt._options import Options
+from ckpt._host import Options
 
 DESCRIPTION = (
     "Write a jax-ckpt checkpoint at DEST holding what the Orbax checkpoint SRC holds (orbax-checkpoint 0.11 "

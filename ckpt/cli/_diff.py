@@ -20,9 +20,9 @@ import ml_dtypes
 import numpy as np
 
 from ckpt._format import ARRAY_KINDS, NUMPY_SCALAR, PY_BOOL, PY_FLOAT, PY_INT, display_path
-from ckpt._format import dtypes as _dtypes
+from ckpt._format import dtype_from_name, from_storage
 from ckpt._geometry import Box, box_shape, chunk_box, chunk_grid
-from ckpt._options import Options, resolve
+from ckpt._host import Options, resolve
 from ckpt._restore import Reader, RestoreStats, plan_leaf_read
 from ckpt.cli._opened import Opened
 
@@ -80,7 +80,7 @@ class _Source:
     def __init__(self, opened: Opened, index: int, options: Options):
         self.rec = rec = opened.manifest.leaves[index]
         self.index = index
-        self.logical = _dtypes.dtype_from_name(rec.dtype)
+        self.logical = dtype_from_name(rec.dtype)
         self.foreign = None
         if opened.format != "jax-ckpt":  # an Orbax checkpoint or safetensors (ckpt.cli._foreign)
             from ckpt.cli._foreign import leaf_reader
@@ -96,7 +96,7 @@ class _Source:
             return self.foreign(box)
         rec = self.rec
         plan = plan_leaf_read(self.index, rec.shape, self.chunk_shape, self.logical.itemsize, [box])
-        return _dtypes.from_storage(self.reader.read([plan])[self.index][box], self.logical)
+        return from_storage(self.reader.read([plan])[self.index][box], self.logical)
 
 
 def same_value(x: Any, y: Any) -> bool:
@@ -186,7 +186,7 @@ def _number(opened: Opened, index: int, options: Options) -> int | float | bool 
     rec = opened.manifest.leaves[index]
     if rec.kind in (PY_INT, PY_FLOAT, PY_BOOL):
         return rec.py_value()
-    if rec.kind != NUMPY_SCALAR or tuple(rec.shape) != () or _dtypes.dtype_from_name(rec.dtype).kind not in "biuf":
+    if rec.kind != NUMPY_SCALAR or tuple(rec.shape) != () or dtype_from_name(rec.dtype).kind not in "biuf":
         return None
     value = _Source(opened, index, options).read(()).item()
     return value if isinstance(value, (int, float, bool)) else None

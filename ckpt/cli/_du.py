@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from ckpt._format import ARRAY_KINDS, Manifest, display_path, leaf_components
-from ckpt._format import dtypes as _dtypes
+from ckpt._format import dtype_from_name
 from ckpt._geometry import chunk_grid
 
 
@@ -32,7 +32,7 @@ def usage(manifest: Manifest, depth: int = 1) -> list[Subtree]:
             g.values += 1
             continue
         g.arrays += 1
-        itemsize = _dtypes.dtype_from_name(rec.dtype).itemsize
+        itemsize = dtype_from_name(rec.dtype).itemsize
         g.data_bytes += math.prod(rec.shape) * itemsize
         st = rec.zarr
         if rec.stacked is not None:  # its slice of a stack's chunk files
@@ -48,7 +48,7 @@ def usage(manifest: Manifest, depth: int = 1) -> list[Subtree]:
             continue
         n = math.prod(chunk_grid(rec.shape, st.chunk_shape))
         g.chunks += n
-        g.stored_bytes += n * math.prod(st.chunk_shape) * _dtypes.dtype_from_name(st.data_type).itemsize
+        g.stored_bytes += n * math.prod(st.chunk_shape) * dtype_from_name(st.data_type).itemsize
     for key, chunks in stack_chunks.items():
         groups[key].chunks += len(chunks)
     return sorted(groups.values(), key=lambda g: (-g.stored_bytes, g.path))

@@ -33,10 +33,10 @@ import numpy as np
 from ckpt._errors import CheckpointError
 from ckpt._format import (ARRAY_KINDS, GROUP_METADATA, PRNG_KEY, PY_BYTES, PY_COMPLEX, PY_FLOAT, PY_INT, ArraySpec,
                           LeafRecord, display_path, leaf_components, storage_paths, zarr_metadata)
-from ckpt._format import dtypes as _dtypes
+from ckpt._format import dtype_from_name, storage_of, to_storage
 from ckpt._geometry import Box, chunk_box, chunk_grid, full_box
-from ckpt._options import Options, resolve
-from ckpt._restore import Reader, RestoreStats, packed_reads, plan_leaf_read, require_manifest
+from ckpt._host import Options, resolve
+from ckpt._restore import Reader, RestoreStats, chunk_source, plan_leaf_read, require_manifest
 from ckpt.safetensors import local_out_dir
 from ckpt.storage import fsync_path, open_storage, pinned
 
@@ -208,19 +208,19 @@ def export_zarr(path: Any, out: Any, *, overwrite: bool = False, options: Option
         zpaths = storage_paths(comps)  # "~<leaf index>" where two paths clash (case-insensitively)
         leaf_paths = ["/".join(c) for c in comps]
         arrays = [i for i, r in enumerate(manifest.leaves) if r.kind in ARRAY_KINDS]
-        itemsizes = {i: _dtypes.dtype_from_name(manifest.leaves[i].dtype).itemsize for i in arrays}
+        itemsizes = {i: dtype_from_name(manifest.leaves[i].dtype).itemsize for i in arrays}
         total = sum(math.prod(manifest.leaves[i].shape) * itemsizes[i] for i in arrays)
         tmp = os.path.join(parent, f".{name}.tmp-{secrets.token_hex(6)}")
         os.mkdir(tmp)
         writer = _Writer(tmp)
         try:
             # Format version 3: chunks read through the index objects (packed data objects).
-            reader = Reader(packed_reads(storage, manifest), manifest.leaves, True, RestoreStats(), opts)
+            reader = Reader(chunk_source(storage, manifest), manifest.leaves, True, RestoreStats(), opts)
             groups: set[str] = set()
             specs: dict[int, ArraySpec] = {}
             for i in arrays:
                 rec = manifest.leaves[i]
-                storage_dtype, encoding = _dtypes.storage_of(_dtypes.dtype_from_name(rec.dtype))
+                storage_dtype, encoding = storage_of(dtype_from_name(rec.dtype))
                 parts = zpaths[i].split("/")
                 groups.update("/".join(parts[:k]) for k in range(1, len(parts)))
                 specs[i] = ArraySpec(tuple(rec.shape), tuple(rec.chunk_shape), storage_dtype,
@@ -292,8 +292,8 @@ def _read_batches(leaves: list[LeafRecord], arrays: list[int], itemsizes: dict[i
         for i, bs in boxes.items():
             for box in bs:
                 data = regions[i].pop(box)
-                if data.dtype != _dtypes.storage_of(data.dtype)[0]:  # a logical dtype: its storage bytes
-                    data = _dtypes.to_storage(data)
+                if data.dtype != storage_of(data.dtype)[0]:  # a logical dtype: its storage bytes
+                    data = to_storage(data)
                 out.append((i, box, data))
         return out
 
@@ -302,7 +302,7 @@ def _read_batches(leaves: list[LeafRecord], arrays: list[int], itemsizes: dict[i
         shape, chunk_shape = tuple(rec.shape), tuple(rec.chunk_shape)
         if rec.inline:  # in the manifest: a few KiB at most, one chunk
             if math.prod(shape):
-                inline.append((i, full_box(shape), _dtypes.to_storage(rec.inline_array())))
+                inline.append((i, full_box(shape), to_storage(rec.inline_array())))
             continue
         for index in itertools.product(*(range(n) for n in chunk_grid(shape, chunk_shape))):
             key, nbytes = _source(rec, index, itemsizes[i])

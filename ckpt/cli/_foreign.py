@@ -12,9 +12,9 @@ import numpy as np
 
 from ckpt._errors import CheckpointError
 from ckpt._format import ARRAY_KINDS, DICT, LEAF, MANIFEST_NAME, LeafRecord, Manifest, ZarrStorage
-from ckpt._format import dtypes as _dtypes
+from ckpt._format import dtype_from_name
 from ckpt._geometry import Box
-from ckpt._options import Options, resolve
+from ckpt._host import Options, resolve
 from ckpt._orbax import kind_of, read_layout, step_user_metadata
 from ckpt.cli._opened import Opened
 from ckpt.storage import Storage
@@ -114,7 +114,7 @@ def leaf_reader(opened: Opened, index: int, options: Options) -> tuple[tuple[int
             got = arrays.result(index, arrays.read(index, [box]))[box]
             if rec.kind == "prng_key":
                 return got
-            return got.astype(_dtypes.dtype_from_name(rec.dtype), copy=False)
+            return got.astype(dtype_from_name(rec.dtype), copy=False)
 
         return tuple(layout.leaves[index].chunk_shape or rec.shape), read_orbax
     # safetensors: a whole tensor at a time (ckpt.restore of that tensor alone), kept while its
@@ -125,7 +125,7 @@ def leaf_reader(opened: Opened, index: int, options: Options) -> tuple[tuple[int
 
     def read_safetensors(box: Box) -> np.ndarray:
         if "data" not in held:
-            target: Any = np.empty(rec.shape, _dtypes.dtype_from_name(rec.dtype))
+            target: Any = np.empty(rec.shape, dtype_from_name(rec.dtype))
             for part in reversed(rec.path.split("/")):
                 target = {part: target}
             out: Any = restore(opened.root, target, partial=True, options=options)

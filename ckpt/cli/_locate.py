@@ -16,9 +16,9 @@ from typing import Any
 
 from ckpt._errors import CheckpointError
 from ckpt._format import MANIFEST_NAME, TEMP_MARK, Manifest, is_temp_name, read_manifest
-from ckpt._format import dtypes as _dtypes
+from ckpt._format import dtype_from_name
 from ckpt._geometry import chunk_grid
-from ckpt._options import Options
+from ckpt._host import Options
 from ckpt._orbax import STEP_METADATA, TMP_MARK, step_of
 from ckpt.cli._opened import Opened, StepRow, _is_file, _not_a_directory, open_location
 from ckpt.storage import Storage, name_of, usage
@@ -137,13 +137,13 @@ def manifest_size(manifest: Manifest, manifest_bytes: int) -> tuple[int, int]:
         if st is None:
             continue
         chunks = math.prod(chunk_grid(rec.shape, st.chunk_shape))
-        itemsize = _dtypes.dtype_from_name(st.data_type).itemsize
+        itemsize = dtype_from_name(st.data_type).itemsize
         total += chunks * math.prod(st.chunk_shape) * itemsize
         files += chunks
     for stack in manifest.stacks:
         st = stack.zarr
         chunks = math.prod(chunk_grid(stack.shape, st.chunk_shape))
-        total += chunks * math.prod(st.chunk_shape) * _dtypes.dtype_from_name(st.data_type).itemsize
+        total += chunks * math.prod(st.chunk_shape) * dtype_from_name(st.data_type).itemsize
         files += chunks
     return total, files
 

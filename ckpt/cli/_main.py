@@ -17,7 +17,7 @@ import sys
 from typing import Sequence
 
 from ckpt._errors import CheckpointError
-from ckpt._options import Options
+from ckpt._host import Options
 from ckpt.cli._parsing import _HelpFormatter, _Parser, _UsageError, _in_flags, _size, _step, _tolerance
 from ckpt.storage import ENGINES
 

@@ -14,8 +14,8 @@ from typing import Any, Iterator
 
 from ckpt._errors import CheckpointError
 from ckpt._format import Manifest
-from ckpt._options import Options, resolve
-from ckpt._restore import packed_reads
+from ckpt._host import Options, resolve
+from ckpt._restore import chunk_source
 from ckpt.storage import Storage, name_of, open_storage
 
 
@@ -33,7 +33,7 @@ class Opened:
 
     def __post_init__(self) -> None:
         if self.format == "jax-ckpt":  # a packed checkpoint's chunks are read through its index
-            object.__setattr__(self, "storage", packed_reads(self.storage, self.manifest))
+            object.__setattr__(self, "storage", chunk_source(self.storage, self.manifest))
 
     @property
     def root(self) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 
 from ckpt._errors import CheckpointError
 from ckpt._format import MANIFEST_NAME
-from ckpt._options import Options
+from ckpt._host import Options
 from ckpt._orbax import STEP_METADATA, kind_of, read_json, read_layout, scan_orbax_steps, step_of
 from ckpt.storage import Storage, name_of, open_storage, usage
 

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from ckpt._format import ARRAY_KINDS, JAX_ARRAY, PRNG_KEY, Manifest, display_path
-from ckpt._format import dtypes as _dtypes
+from ckpt._format import dtype_from_name
 from ckpt._geometry import ShardingInfo, full_box, mesh_fit_problem, named_boxes, spec_axes
 from ckpt._restore import plan_leaf_read
 
@@ -131,7 +131,7 @@ def dry_run_restore(manifest: Manifest, names: tuple[str, ...], sizes: tuple[int
         zarr = rec.zarr is not None
         # Inline data is one whole-array chunk (at least 1 per dimension, for empty arrays), as in restore.
         chunk_shape = rec.chunk_shape
-        itemsize = _dtypes.dtype_from_name(rec.dtype).itemsize
+        itemsize = dtype_from_name(rec.dtype).itemsize
         positions = list(boxes_by_position) if boxes_by_position is not None else []
         leaf = run.per_leaf.setdefault(rec.path, ReadTotals())
         for p in range(processes):

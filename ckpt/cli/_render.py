@@ -1,5 +1,8 @@
 """`ckpt inspect` and `ckpt ls`: what a checkpoint holds, from its manifest alone, as JSON
-documents and as text; and the small formatting helpers every command shares."""
+documents and as text; and the small formatting helpers every command shares.
+
+Size: `inspect` and `ls` as documents and as text share one order of fields; apart, they drifted.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import datetime
 import math
 from typing import Any
 
-from ckpt._format import dtypes as _dtypes
+from ckpt._format import dtype_from_name
 from ckpt._format import ARRAY_KINDS, CUSTOM, FORMAT_NAME, LEAF, LeafRecord, Manifest, child_names, display_path
 from ckpt._geometry import ShardingInfo, chunk_grid
 from ckpt._manager import METRICS_KEY
@@ -113,7 +116,7 @@ def _foreign_leaf(rec: LeafRecord, file: str) -> dict:
     return {
         "path": rec.path, "kind": rec.kind, "shape": list(rec.shape), "dtype": rec.dtype, "storage": "safetensors",
         "storage_path": file, "chunk_shape": None, "chunks": 0,
-        "nbytes": math.prod(rec.shape) * _dtypes.dtype_from_name(rec.dtype).itemsize,
+        "nbytes": math.prod(rec.shape) * dtype_from_name(rec.dtype).itemsize,
         "sharding": info.kind if info else None,
         "mesh": {"axis_names": list(info.axis_names), "axis_sizes": list(info.axis_sizes)} if named else None,
         "partition_spec": [e if e is None or isinstance(e, str) else list(e) for e in info.spec] if named else None,

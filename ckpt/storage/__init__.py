@@ -7,17 +7,16 @@ gcs, file) or ``fsspec`` (zarr-python's FsspecStore over any fsspec file system)
 """
 
 from ckpt._format import GENERATION_MARK, MANIFEST_NAME, TEMP_MARK, ArraySpec, is_temp_name
-from ckpt._memory import aligned_empty
+from ckpt._host import aligned_empty
 from ckpt._errors import NotDurableError, OutcomeUnknownError
-from ckpt.storage._base import ChunkFiles, LocalDirectory, Storage, StoreCaps, make_dirs, name_of, pinned, usage
-from ckpt.storage._location import ENGINES, default_engine, location_text, open_storage
+from ckpt.storage._base import ChunkFiles, LocalDirectory, Storage, StoreCaps
+from ckpt.storage._location import ENGINES, default_engine, location_text, make_dirs, name_of, open_storage, pinned, usage
 from ckpt.storage._wrapper import WrapperStorage
 
 # The door's internal side: what other layers of ckpt use besides the public names below.
 from ckpt.storage._base import Done  # noqa: E402,F401
-from ckpt.storage._chunk_files import fsync_path  # noqa: E402,F401
+from ckpt.storage._local import fsync_path  # noqa: E402,F401
 from ckpt.storage._location import scheme_of, tensorstore_spec  # noqa: E402,F401
-from ckpt.storage._local import exchange, remove_tree, rename_noreplace  # noqa: E402,F401
 from ckpt.storage._confine import check_local_key  # noqa: E402,F401  (ckpt verify: no data object behind a link)
 
 __all__ = [

@@ -26,20 +26,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import queue
-import threading
 from abc import ABC, abstractmethod
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
 from ckpt._errors import CheckpointError
-from ckpt._format import GROUP_METADATA, ArraySpec, array_metadata_bytes
+from ckpt._format import GROUP_METADATA, ArraySpec, array_metadata_bytes, check_key
 from ckpt._geometry import Box, box_shape, chunk_key
-from ckpt._memory import aligned_empty
-from ckpt.storage._confine import check_key
+from ckpt._host import aligned_empty
 
 
 class Usage(NamedTuple):
@@ -48,44 +44,6 @@ class Usage(NamedTuple):
     bytes: int
     files: int
     modified: float  # newest modification time below it, seconds since the epoch
-
-
-class _ExitSafePool(ThreadPoolExecutor):
-    """A ThreadPoolExecutor whose work still runs where no thread may start: Python 3.12.0 and
-    3.12.1 refuse every new thread once the interpreter is exiting ("can't create new thread at
-    interpreter shutdown", even in the threading exit hooks; allowed again from 3.12.2, CPython
-    gh-113964), which is when a save the program did not wait() for finishes (_save's exit hook).
-    Such work runs on the threads the pool already has or, where it has none, in the submitting
-    thread (the engines' work never submits to its own pool, so this cannot deadlock)."""
-
-    def _adjust_thread_count(self) -> None:
-        try:
-            super()._adjust_thread_count()
-        except RuntimeError as e:
-            if "interpreter shutdown" not in str(e):
-                raise
-            if getattr(self, "_threads", None):
-                return  # (queued: a thread of the pool takes it)
-            while True:  # no thread at all: run what is queued here (submit queued it before)
-                try:
-                    item = self._work_queue.get_nowait()
-                except queue.Empty:
-                    return
-                if item is not None:
-                    item.run()
-
-
-_pools: dict[tuple[str, int], ThreadPoolExecutor] = {}
-_pools_lock = threading.Lock()
-
-
-def shared_pool(name: str, concurrency: int) -> ThreadPoolExecutor:
-    """The process's thread pool `name` of `concurrency` threads (engines doing blocking I/O
-    share one per name and width rather than starting threads per storage or per save)."""
-    with _pools_lock:
-        if (name, concurrency) not in _pools:
-            _pools[name, concurrency] = _ExitSafePool(concurrency, thread_name_prefix=name)
-        return _pools[name, concurrency]
 
 
 # Objects larger than this are read in pieces of this size, so that an engine's own buffers stay
@@ -234,7 +192,7 @@ class Storage(ABC):
     def resolved_name(self) -> str:
         """The name of what the location really is (on file systems: after following a link to
         it), for the rule that no ``.tmp-`` directory is ever read as a checkpoint."""
-        return name_of(self)
+        return self.url.rstrip("/").rsplit("/", 1)[-1]
 
     # ---- bytes -------------------------------------------------------------------------
 
@@ -385,29 +343,3 @@ class LocalDirectory:
     def du(self) -> Usage:
         """Bytes, files and newest modification time at or below this directory."""
         raise NotImplementedError
-
-
-def name_of(store: Storage) -> str:
-    """The last component of the location."""
-    return store.url.rstrip("/").rsplit("/", 1)[-1]
-
-
-def pinned(store: Storage) -> contextlib.AbstractContextManager[Storage]:
-    """A context whose storage keeps reading what is at `store`'s location now, even if it is
-    replaced meanwhile: a local directory read through the descriptor it was opened by; elsewhere
-    the store itself (generations are never rewritten)."""
-    return store.pin() if store.caps.renames else contextlib.nullcontext(store)
-
-
-def usage(store: Storage) -> Usage | None:
-    """Bytes, objects and newest modification time at or below the location, or None where the
-    engine cannot tell without reading every object (``ckpt ls`` then sizes committed
-    checkpoints from their manifests)."""
-    return store.du() if store.caps.renames else None
-
-
-def make_dirs(store: Storage) -> None:
-    """Create the location where the backend has directories (a no-op on object stores)."""
-    if store.caps.renames:
-        store.make_dirs()
-

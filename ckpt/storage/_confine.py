@@ -1,5 +1,6 @@
-"""Confined reads: keys that cannot leave a location, and local paths checked for links and
-regular files before a library that follows links opens them (Storage module docstring).
+"""Confined reads: local paths checked for links and
+regular files before a library that follows links opens them (Storage module docstring;
+keys themselves are checked by ``ckpt._format.check_key``).
 
 Checkpoint files are never reached through a symbolic link. Ranged reads (``Storage.read_range``,
 ``Storage.size``: files jax-ckpt did not write, such as safetensors) follow a link only when its
@@ -14,16 +15,7 @@ import os
 import stat
 
 from ckpt._errors import CheckpointError
-
-
-def check_key(key: str) -> str:
-    """`key` if it names an object strictly inside a location: '/'-separated, non-empty
-    components, none of them '.', '..' or containing a backslash or NUL. CheckpointError
-    otherwise (keys come from validated manifests; this is the engines' last line)."""
-    parts = key.split("/") if isinstance(key, str) else [""]
-    if not key or any(p in ("", ".", "..") or "\\" in p or "\x00" in p for p in parts):
-        raise CheckpointError(f"refusing to read {key!r}: not a relative path inside the checkpoint")
-    return key
+from ckpt._format import check_key
 
 
 def link_target_within(root: str, path: str) -> str:

@@ -7,6 +7,9 @@ Chunk files and metadata are written and read as whole objects through the store
 operation a zarr Store cannot do atomically, write-if-absent (``FsspecStore.set_if_not_exists``
 checks, then writes), goes to the file system itself: ``pipe_file(mode="create")``, which is an
 exclusive create on local disk and ``If-None-Match: *`` on s3fs.
+
+Size: one backend, one module (zarr-python's storage/: a module per backend): the fsspec engine
+whole.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from ckpt._host import shared_pool
 from ckpt._errors import CheckpointError
-from ckpt._format import ArraySpec
+from ckpt._format import ArraySpec, check_key
 from ckpt._geometry import Box, chunk_index_of, chunk_key
 from ckpt.storage._base import (
     ChunkFiles,
@@ -31,11 +35,10 @@ from ckpt.storage._base import (
     range_buffer,
     range_short,
     read_buffer,
-    shared_pool,
     size_mismatch,
     too_large,
 )
-from ckpt.storage._confine import check_key, check_local_key
+from ckpt.storage._confine import check_local_key
 
 # s3fs and gcsfs raise OSError subclasses without an errno (PermissionError("Forbidden")): the
 # subclass says which, and OSError(code, ...) turns the code back into that subclass.

@@ -14,18 +14,20 @@ entries override all of it.
 The environment is only read here, never written: every setting reaches its library explicitly
 (a kvstore spec, fsspec storage options, the file-system class opened). The one setting that
 has no explicit route, TensorStore's GCS endpoint, is the user's to set (``gcs_emulator_check``).
+
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 from ckpt._errors import CheckpointError
-from ckpt._options import ENGINE_NAMES, REQUEST_TIMEOUT_S, Options
-from ckpt.storage._base import Storage
+from ckpt._host import ENGINE_NAMES, REQUEST_TIMEOUT_S, Options
+from ckpt.storage._base import Storage, Usage
 
 TENSORSTORE_SCHEMES = ("memory", "s3", "gs")
 ENGINES = ENGINE_NAMES
@@ -299,3 +301,31 @@ def _object_store_defaults(scheme: str, storage_options: dict, concurrency: int,
         storage_options.setdefault("use_listings_cache", False)
         if gcs_emulator() is not None:
             storage_options.setdefault("token", "anon")
+
+
+# ---- what a location offers beyond bytes (the optional protocols, declared by its engine) ----
+
+
+def name_of(store: Storage) -> str:
+    """The last component of the location."""
+    return store.url.rstrip("/").rsplit("/", 1)[-1]
+
+
+def pinned(store: Storage) -> contextlib.AbstractContextManager[Storage]:
+    """A context whose storage keeps reading what is at `store`'s location now, even if it is
+    replaced meanwhile: a local directory read through the descriptor it was opened by; elsewhere
+    the store itself (generations are never rewritten)."""
+    return store.pin() if store.caps.renames else contextlib.nullcontext(store)
+
+
+def usage(store: Storage) -> Usage | None:
+    """Bytes, objects and newest modification time at or below the location, or None where the
+    engine cannot tell without reading every object (``ckpt ls`` then sizes committed
+    checkpoints from their manifests)."""
+    return store.du() if store.caps.renames else None
+
+
+def make_dirs(store: Storage) -> None:
+    """Create the location where the backend has directories (a no-op on object stores)."""
+    if store.caps.renames:
+        store.make_dirs()

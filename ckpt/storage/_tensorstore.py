@@ -1,6 +1,10 @@
 """The TensorStore engine: any TensorStore kvstore (memory, s3, gcs, file), with TensorStore's
 own concurrency and retries. Chunks are written through the zarr3 driver, which takes the
-library's host buffers without copying them; everything else goes through ``ts.KvStore``."""
+library's host buffers without copying them; everything else goes through ``ts.KvStore``.
+
+Size: one backend, one module (zarr-python's storage/: a module per backend): the TensorStore engine
+whole, its ranged part reads included.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckpt._errors import CheckpointError
-from ckpt._format import ArraySpec, zarr_metadata
+from ckpt._format import ArraySpec, check_key, zarr_metadata
 from ckpt._geometry import Box, box_to_index, chunk_index_of, chunk_key
 from ckpt.storage._base import (
     ChunkFiles,
@@ -29,7 +33,7 @@ from ckpt.storage._base import (
     size_mismatch,
     too_large,
 )
-from ckpt.storage._confine import check_key, check_local_key
+from ckpt.storage._confine import check_local_key
 
 # TensorStore reports failures as ValueError("<absl status code>: <message>").
 _STATUS = re.compile(r"^([A-Z_]+):")

@@ -87,7 +87,7 @@ def test_object_store_generations_are_judged_by_their_owner_records(capsys):
     and a live one (a save of this process in progress): clean removes the first two only."""
     import uuid
 
-    from ckpt._commit.owners import OWNER_NAME, LiveMark, owner_bytes
+    from ckpt._commit.strategy import OWNER_NAME, LiveMark, owner_bytes
 
     loc = Location.make("memory", None)
     run = loc.storage("run")

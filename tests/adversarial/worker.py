@@ -355,7 +355,7 @@ class Runner:
 def manifest_flips(r: Runner) -> dict:
     """Every byte of the pristine manifest with one bit flipped (short: 3 of the 8 bits), through
     the decoder every read path uses: each must be refused (CheckpointError), never decode."""
-    from ckpt._format.manifest import decode_manifest
+    from ckpt._format.validate import decode_manifest
 
     with open(os.path.join(r.pristine, "manifest.msgpack"), "rb") as f:
         data = f.read()
@@ -455,7 +455,7 @@ def fuzz_mode(r: Runner, examples: int, seconds: float | None) -> dict:
     fuzz()
 
     # The decoder alone, on bytes: random ones, and the real manifest cut, spliced and flipped.
-    from ckpt._format.manifest import decode_manifest
+    from ckpt._format.validate import decode_manifest
 
     with open(os.path.join(r.pristine, "manifest.msgpack"), "rb") as f:
         real = f.read()

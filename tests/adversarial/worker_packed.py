@@ -69,9 +69,9 @@ def _reset_peak() -> None:
 def route_refusal(path: str, process: int) -> str | None:
     """Why process `process`'s restore (its lookup route, every chunk read and checked) refuses
     the checkpoint, or None when it reads everything."""
-    from ckpt._format.manifest import read_manifest
+    from ckpt._format.validate import read_manifest
     from ckpt._geometry import chunk_box, chunk_grid
-    from ckpt._restore.packed_source import PackedChunks
+    from ckpt._layout import PackedChunks
     try:
         from ckpt._restore.plan import check_plan_size, plan_budget
     except ImportError:  # a jax-ckpt from before issue 36 (to measure it): a fixed bound instead

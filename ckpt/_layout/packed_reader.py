@@ -21,7 +21,7 @@ import numpy as np
 from ckpt._errors import CheckpointError
 from ckpt._format import Manifest, PackedIndex, chunk_holders, decode_index, display_path
 from ckpt._geometry import chunk_grid, flat_chunk_index
-from ckpt._layout import ChunkRuns
+from ckpt._layout.base import ChunkRuns
 from ckpt.storage import ChunkFiles, Done, Storage, WrapperStorage
 
 # read_chunks reads chunks of one data object as one range when at most MERGE_GAP bytes lie

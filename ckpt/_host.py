@@ -1,14 +1,38 @@
-"""Options: the explicit configuration of a save, restore or manager, read when each starts.
+"""What a save or restore may take of the host: its Options, and host memory.
+
+Options: the explicit configuration of a save, restore or manager, read when each starts.
 
 Every field left at None takes its documented default, from the environment variable named
 beside it when that is set (so a job can be tuned without code changes), else the built-in value.
+
+Host memory the library freed, handed back to the kernel at once.
+
+Host buffers below glibc's mmap threshold (dynamic, up to 32 MiB) live in the heap, and glibc
+keeps a freed block resident for later reuse. When the library trades buffers of one size for
+another (the save's staging pool, a restore's read batches), the holes stayed resident beside the
+new buffers: a save with a 256 MiB budget peaked at 327 MiB of RSS over its input, 259 MiB with
+``return_to_os`` after each free (docs/memory.md). The library does not change the process's
+allocator settings; it only returns memory it has just freed.
+
+Size: options, host memory and thread pools are what a save or restore takes of the host, one
+budget's parts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import os
+import sys
+import queue
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Union
+
+import numpy as np
 
 # Packing small arrays (measured: docs/benchmarks.md, "Many small leaves"). An array of at most
 # PACK_LIMIT bytes whose whole value one process holds is written by that process as one chunk:
@@ -89,30 +113,27 @@ def save_chunk_cap(options: "Options") -> int:
 EngineChoice = Union[str, Callable[[str, "Options"], Any], None]
 
 
-def _env_int(name: str, default: int, minimum: int = 1) -> int:
+def _env_value(name: str, default: Any, convert: Callable[[str], Any], kind: str, valid: Callable[[Any], bool],
+               requirement: str) -> Any:
     text = os.environ.get(name)
     if text is None or text.strip() == "":
         return default
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
-        raise ValueError(f"environment variable {name}={text!r} is not an integer") from None
-    if value < minimum:
-        raise ValueError(f"environment variable {name}={text!r} must be at least {minimum}")
+        raise ValueError(f"environment variable {name}={text!r} is not {kind}") from None
+    if not valid(value):
+        raise ValueError(f"environment variable {name}={text!r} must be {requirement}")
     return value
+
+
+def _env_int(name: str, default: int, minimum: int = 1) -> int:
+    return _env_value(name, default, int, "an integer", lambda v: v >= minimum, f"at least {minimum}")
 
 
 def _env_seconds(name: str, default: float) -> float:
-    text = os.environ.get(name)
-    if text is None or text.strip() == "":
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={text!r} is not a number of seconds") from None
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"environment variable {name}={text!r} must be a positive number of seconds")
-    return value
+    return _env_value(name, default, float, "a number of seconds", lambda v: v > 0 and v != float("inf"),
+                      "a positive number of seconds")
 
 
 def _share(value: Any) -> str:
@@ -292,3 +313,189 @@ def resolve(options: Options | None) -> Options:
     if not isinstance(options, Options):
         raise TypeError(f"options must be a ckpt.Options, got {type(options).__name__}")
     return options.resolved()
+
+
+# ---- host memory ---------------------------------------------------------------------
+
+PAGE = 4096
+POOLED_MIN_BYTES = 1 << 20  # smaller read buffers are left to the allocator
+
+
+def _libc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def return_to_os() -> None:
+    """Return the free pages of the C heap to the kernel (glibc ``malloc_trim``; elsewhere
+    nothing). Call it right after freeing a large buffer; it costs well under a millisecond."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def unreferenced(buf: np.ndarray) -> bool:
+    """Whether nothing but `buf` itself refers to its memory (an aligned view from
+    ``aligned_empty``): no view of it handed out is alive any more.
+
+    Views reference the array that owns the memory (`buf.base`), not `buf`: expected are
+    buf.base, `owner` here, and getrefcount's argument. More means a view is alive somewhere
+    (a storage engine that kept the chunk, a device that adopted it): never reuse it."""
+    owner = buf.base
+    return owner is not None and sys.getrefcount(owner) <= 3
+
+
+class HostBudget:
+    """The host bytes of one save or restore: `held` now against its `limit`, and the most it
+    ever held (`high_water`), counted by ``take`` and ``give`` (thread-safe). The library's one
+    budget type: a restore's reader counts into one where it allocates (its ``ReadBuffers``
+    too), and a save's ``SaveBudget`` is one that also waits for room and pools buffers."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held, self.high_water = limit, 0, 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        with self._lock:
+            self.held += n
+            self.high_water = max(self.high_water, self.held)
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.held -= n
+
+
+class ReadBuffers:
+    """The page-aligned read buffers of one restore, reused batch after batch.
+
+    A restore larger than its budget reads batch after batch; buffers the batch is done with
+    (those no device adopted and no result kept) are read into again by the next batch, so its
+    reads land in pages the process already holds instead of freshly faulted ones. Free buffers
+    are counted in the restore's budget meter (`budget`: take/give); before a batch, free buffers
+    of sizes the batch does not read are dropped, so free and used together stay within what
+    the batch was planned for."""
+
+    def __init__(self, budget) -> None:
+        self.budget = budget
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def prepare(self, sizes: list[int]) -> None:
+        """Before a batch reading buffers of `sizes`: keep as many free buffers of each size as
+        it reads, drop the rest."""
+        wanted = Counter(sizes)
+        dropped = 0
+        with self._lock:
+            for n, bufs in self._free.items():
+                while len(bufs) > wanted.get(n, 0):
+                    bufs.pop()
+                    dropped += n
+            self._free = {n: b for n, b in self._free.items() if b}
+        if dropped:
+            self.budget.give(dropped)
+            return_to_os()
+
+    def get(self, nbytes: int) -> np.ndarray | None:
+        """A buffer of `nbytes` (whole pages) plus one page, as the local engine reads into:
+        a free one (uncounted here: the caller counts what it holds) or a new one; None for a
+        buffer below POOLED_MIN_BYTES (the engine allocates it: small blocks are reused by the
+        allocator itself)."""
+        if nbytes < POOLED_MIN_BYTES:
+            return None
+        with self._lock:
+            bufs = self._free.get(nbytes)
+            buf = bufs.pop() if bufs else None
+        if buf is not None:
+            self.budget.give(nbytes)
+            return buf
+        from ckpt._host import aligned_empty
+
+        return aligned_empty(nbytes + PAGE, PAGE)
+
+    def put_back(self, buffers: list[np.ndarray]) -> None:
+        """After a batch (its other bytes given back): keep the buffers of `buffers` nothing
+        refers to any more, as far as the budget has room for them (counted)."""
+        kept = 0
+        with self._lock:
+            for buf in buffers:
+                n = len(buf) - PAGE
+                if unreferenced(buf) and self.budget.held + kept + n <= self.budget.limit:
+                    self._free.setdefault(n, []).append(buf)
+                    kept += n
+        self.budget.take(kept)
+
+    def close(self) -> None:
+        """Drop every free buffer (the restore is done)."""
+        self.prepare([])
+
+
+# Cyclic garbage collection paused while a save or restore builds its per-leaf objects.
+# A tree of thousands of leaves makes tens of thousands of short-lived containers (records, plans,
+# boxes, futures), which trigger the collector's full collections; each walks every object of the
+# process, about 0.1 s in a process that has imported JAX, and a 4,000-leaf save or restore paid
+# one or two of them (docs/benchmarks.md, "Many small leaves"). Reference counting frees these
+# objects anyway; the collector runs again, as usual, once the call returns.
+@contextlib.contextmanager
+def gc_paused():
+    """Disable the cyclic collector for the block (or decorated call), if it was enabled."""
+    if not gc.isenabled():  # the caller turned it off: leave that alone
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def aligned_empty(nbytes: int, alignment: int = 64) -> np.ndarray:
+    """An uninitialised uint8 buffer whose data starts on an `alignment`-byte boundary
+    (XLA's CPU client adopts such host buffers without copying them)."""
+    raw = np.empty(nbytes + alignment, np.uint8)
+    offset = -raw.ctypes.data % alignment
+    return raw[offset : offset + nbytes]
+
+
+# ---- thread pools ---------------------------------------------------------------------
+
+
+class _ExitSafePool(ThreadPoolExecutor):
+    """A ThreadPoolExecutor whose work still runs where no thread may start: Python 3.12.0 and
+    3.12.1 refuse every new thread once the interpreter is exiting ("can't create new thread at
+    interpreter shutdown", even in the threading exit hooks; allowed again from 3.12.2, CPython
+    gh-113964), which is when a save the program did not wait() for finishes (_save's exit hook).
+    Such work runs on the threads the pool already has or, where it has none, in the submitting
+    thread (the engines' work never submits to its own pool, so this cannot deadlock)."""
+
+    def _adjust_thread_count(self) -> None:
+        try:
+            super()._adjust_thread_count()
+        except RuntimeError as e:
+            if "interpreter shutdown" not in str(e):
+                raise
+            if getattr(self, "_threads", None):
+                return  # (queued: a thread of the pool takes it)
+            while True:  # no thread at all: run what is queued here (submit queued it before)
+                try:
+                    item = self._work_queue.get_nowait()
+                except queue.Empty:
+                    return
+                if item is not None:
+                    item.run()
+
+
+_pools: dict[tuple[str, int], ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def shared_pool(name: str, concurrency: int) -> ThreadPoolExecutor:
+    """The process's thread pool `name` of `concurrency` threads (engines doing blocking I/O
+    share one per name and width rather than starting threads per storage or per save)."""
+    with _pools_lock:
+        if (name, concurrency) not in _pools:
+            _pools[name, concurrency] = _ExitSafePool(concurrency, thread_name_prefix=name)
+        return _pools[name, concurrency]
