@@ -307,16 +307,10 @@ def test_restore_what_matches_keeps_the_targets_own_leaves(sources, tmp_path):
 
 @pytest.fixture(scope="module")
 def s3_sources(sources, tmp_path_factory):
-    from servers import SeaweedFS
+    from servers import SeaweedFS, serving_s3
 
-    server = SeaweedFS(str(tmp_path_factory.mktemp("seaweedfs"))).start()
-    patch = pytest.MonkeyPatch()
-    try:
-        server.make_bucket("surgery")
-        for k, v in server.env().items():
-            patch.setenv(k, v)
-        for k in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_DEFAULT_REGION"):
-            patch.delenv(k, raising=False)
+    server = SeaweedFS(str(tmp_path_factory.mktemp("seaweedfs")))
+    with serving_s3(server, "surgery", tmp_path_factory.mktemp("aws")):
         root = f"s3://surgery/{uuid.uuid4().hex[:8]}"
         arrays = saved_arrays()
         write_native(f"{root}/native", arrays)
@@ -330,9 +324,6 @@ def s3_sources(sources, tmp_path_factory):
                     store.put(os.path.relpath(os.path.join("orbax", os.path.relpath(d, local), name)), f.read()).result()
         yield ({"native": f"{root}/native", "safetensors": f"{root}/m.safetensors", "orbax": f"{root}/orbax"},
                sources[1], sources[0])
-    finally:
-        patch.undo()
-        server.stop()
 
 
 @pytest.mark.parametrize("kind", ["native", "safetensors", "orbax"])

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import gc
 import math
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,22 +45,11 @@ from ckpt._geometry import (
     intersect,
     relative,
 )
-from ckpt._host import PAGE, HostBudget, ReadBuffers, aligned_empty
-from ckpt._host import Options
+from ckpt._host import PAGE, HostBudget, Options, ReadBuffers, aligned_empty
 from ckpt._restore.place import BATCH_PUT_MAX_BYTES, _Build, _Lease, _Piece, _split, _Unit
 from ckpt._restore.plan import PLAN_BYTES_PER_CHUNK, LeafReadPlan, plan_budget, _key_data_sharding, _Want, cast_values, held_note, plan_leaf_read
 from ckpt._layout import ChunkRuns
-from ckpt.storage import Storage, StoreCaps
-
-
-def _resolved(value: Any = None, error: BaseException | None = None) -> Future:
-    """A future that is already done (inline data, a read that failed to start)."""
-    future: Future = Future()
-    if error is None:
-        future.set_result(value)
-    else:
-        future.set_exception(error)
-    return future
+from ckpt.storage import Done, Storage, StoreCaps
 
 
 @dataclass
@@ -429,7 +418,7 @@ class Reader:
         if key[0] == "i":
             a = to_storage(rec.inline_array())
             lease.take(2 * a.nbytes)  # the logical value and its storage form
-            return _resolved(a)
+            return Done(a)
         st = self._array_of(key)
         # A chunk file always holds the whole chunk shape (an edge chunk's part outside the
         # array is padding, which the checksum does not cover).
@@ -439,7 +428,7 @@ class Reader:
             extra = () if into is None else (into,)
             return self.storage.read_chunk_async(st.path, key[2], padded, executor, *extra)
         except (OSError, CheckpointError) as e:  # reported where the chunk is used, naming it
-            return _resolved(error=e)
+            return Done(error=e)
 
     def issue_merged(self, keys: list[tuple], lease: _Lease, executor: ThreadPoolExecutor) -> dict[tuple, Any]:
         """Where the storage reads many chunks at once (``read_chunks``: a packed checkpoint,

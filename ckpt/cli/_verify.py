@@ -198,7 +198,7 @@ def _tasks(storage: Storage, manifest: Manifest, report: VerifyReport) -> list[_
         from ckpt.cli._verify_packed import packed_problems
 
         found, listable = packed_problems(storage, manifest)
-        report.problems += [Problem(p.leaf, p.chunk, p.file, p.what) for p in found]
+        report.problems += [Problem(*p) for p in found]
         if not listable:
             return []
     for i, rec in enumerate(manifest.leaves):

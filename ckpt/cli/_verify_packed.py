@@ -17,7 +17,6 @@ the manifest's chunk counts are checked against the records before any chunk is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,14 +25,9 @@ from ckpt._format import Manifest, chunk_holders
 from ckpt._geometry import chunk_grid
 
 
-@dataclass(frozen=True)
-class PackedProblem:
-    """One broken rule: the array (leaf path or '<...>' for an object), chunk (or None), object."""
-
-    leaf: str
-    chunk: tuple[int, ...] | None
-    file: str
-    what: str
+# One broken rule, as ``ckpt verify`` reports it (``cli._verify.Problem``'s fields): the array
+# (leaf path, or '<...>' for an object), the chunk (or None), the object, what is wrong.
+Found = tuple[str, "tuple[int, ...] | None", str, str]
 
 
 class _Arrays:
@@ -81,10 +75,10 @@ def _load_indexes(storage, out: list) -> dict[int, object]:
         try:
             indexes[ref.process] = storage.index_of(ref.process)
         except FileNotFoundError:
-            out.append(PackedProblem(f"<index of process {ref.process}>", None, storage.where(ref.name),
+            out.append((f"<index of process {ref.process}>", None, storage.where(ref.name),
                                      "the index object is missing"))
         except (OSError, CheckpointError) as e:
-            out.append(PackedProblem(f"<index of process {ref.process}>", None, storage.where(ref.name), str(e)))
+            out.append((f"<index of process {ref.process}>", None, storage.where(ref.name), str(e)))
     return indexes
 
 
@@ -100,7 +94,7 @@ def _check_objects(storage, indexes: dict, out: list) -> None:
         direct = e["object"] >= 0
         for k, (name, size) in enumerate(index.objects):
             where = storage.where(name)
-            bad = lambda what: out.append(PackedProblem(f"<data object of process {p}>", None, where, what))  # noqa: E731
+            bad = lambda what: out.append((f"<data object of process {p}>", None, where, what))  # noqa: E731
             if name in owner or name in index_names:
                 bad(f"named by the index of process {p} and by {owner.get(name, 'the manifest as an index')}")
                 continue
@@ -137,16 +131,16 @@ def _check_records(storage, indexes: dict, arrays: _Arrays, out: list) -> dict:
             known = a in arrays.by_id
             name = arrays.by_id[a][0] if known else f"<array {a}>"
             if not known or c >= arrays.chunks(a):
-                out.append(PackedProblem(name, None, where, f"records chunk {c} of array {a}, which the manifest "
+                out.append((name, None, where, f"records chunk {c} of array {a}, which the manifest "
                                          "does not have"))
                 continue
             if obj < 0:
                 continue
             if length != arrays.chunk_bytes(a):
-                out.append(PackedProblem(name, arrays.index(a, c), where, f"records {length} bytes for a chunk of "
+                out.append((name, arrays.index(a, c), where, f"records {length} bytes for a chunk of "
                                          f"{arrays.chunk_bytes(a)}"))
             if (a, c) in placed:
-                out.append(PackedProblem(name, arrays.index(a, c), where, f"the chunk is placed twice (also by process "
+                out.append((name, arrays.index(a, c), where, f"the chunk is placed twice (also by process "
                                          f"{placed[(a, c)][0]})"))
                 continue
             placed[(a, c)] = (p, index.objects[obj][0], off, length, crc)
@@ -154,7 +148,7 @@ def _check_records(storage, indexes: dict, arrays: _Arrays, out: list) -> dict:
     extents.sort()
     for (n0, o0, l0, a0, c0), (n1, o1, _, a1, c1) in zip(extents, extents[1:]):
         if n0 == n1 and o1 < o0 + l0:
-            out.append(PackedProblem(arrays.by_id[a1][0], arrays.index(a1, c1), storage.where(n1),
+            out.append((arrays.by_id[a1][0], arrays.index(a1, c1), storage.where(n1),
                                      f"its bytes {o1}.. overlap those of chunk {c0} of {arrays.by_id[a0][0]}"))
     for p, index in sorted(indexes.items()):
         e = index.entries
@@ -162,7 +156,7 @@ def _check_records(storage, indexes: dict, arrays: _Arrays, out: list) -> dict:
                              e["object"][e["object"] < 0].tolist()):
             q = -1 - obj
             if a in arrays.by_id and placed.get((a, c), (None,))[0] != q:
-                out.append(PackedProblem(arrays.by_id[a][0], arrays.index(a, c), storage.where(storage.layout.indexes[p].name),
+                out.append((arrays.by_id[a][0], arrays.index(a, c), storage.where(storage.layout.indexes[p].name),
                                          f"a pointer to process {q}, whose index does not place the chunk"))
     return placed
 
@@ -191,34 +185,34 @@ def _check_chunks(storage, manifest: Manifest, indexes: dict, arrays: _Arrays, p
         for c, index in enumerate(np.ndindex(*chunk_grid(shape, st.chunk_shape))):
             place = placed.get((a, c))
             if place is None:
-                out.append(PackedProblem(name, index, storage.where(st.path), "no index object places the chunk"))
+                out.append((name, index, storage.where(st.path), "no index object places the chunk"))
                 continue
             if st.places and tuple(st.places[c]) != place[1:]:
-                out.append(PackedProblem(name, index, storage.where(place[1]), f"the manifest's place "
+                out.append((name, index, storage.where(place[1]), f"the manifest's place "
                                          f"{list(st.places[c])} is not the index's {list(place[1:])}"))
             try:
                 routes = _routes(storage, manifest, a, index)
             except CheckpointError as e:
-                out.append(PackedProblem(name, index, storage.where(st.path), str(e)))
+                out.append((name, index, storage.where(st.path), str(e)))
                 continue
             for p in routes:
                 if p in indexes and indexes[p].find(a, c) is None:
-                    out.append(PackedProblem(name, index, storage.where(storage.layout.indexes[p].name),
+                    out.append((name, index, storage.where(storage.layout.indexes[p].name),
                                              f"process {p}'s index, where a restore looks for the chunk, lacks it"))
 
 
-def packed_problems(storage, manifest: Manifest) -> tuple[list[PackedProblem], bool]:
+def packed_problems(storage, manifest: Manifest) -> tuple[list[Found], bool]:
     """(every broken rule of SPEC 13 in the checkpoint at `storage`, a PackedChunks; whether its
     chunks can be listed and read: False when the manifest claims more chunks than the index
     objects place)."""
-    out: list[PackedProblem] = []
+    out: list[Found] = []
     arrays = _Arrays(manifest)
     indexes = _load_indexes(storage, out)
     _check_objects(storage, indexes, out)
     records = sum(int((i.entries["object"] >= 0).sum()) for i in indexes.values())
     claimed = sum(arrays.chunks(a) for a in arrays.by_id)
     if claimed > records:
-        out.append(PackedProblem("<manifest>", None, storage.where("manifest.msgpack"),
+        out.append(("<manifest>", None, storage.where("manifest.msgpack"),
                                  f"its arrays have {claimed} chunks, the index objects place {records}"))
         return out, False
     placed = _check_records(storage, indexes, arrays, out)
@@ -226,4 +220,4 @@ def packed_problems(storage, manifest: Manifest) -> tuple[list[PackedProblem], b
     return out, True
 
 
-__all__ = ["PackedProblem", "packed_problems"]
+__all__ = ["Found", "packed_problems"]

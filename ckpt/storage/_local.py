@@ -541,14 +541,8 @@ class LocalStorage(LocalDirectory, ChunkFiles, Storage):
     def put_group(self, path: str) -> Future:
         return self._writer().write(f"{path}/zarr.json" if path else "zarr.json", np.frombuffer(GROUP_METADATA, np.uint8))
 
-    def read_chunk(self, path: str, index: tuple[int, ...], nbytes: int, into: np.ndarray | None = None) -> np.ndarray:
-        return self.read_exact(f"{path}/{chunk_key(index)}", nbytes, into)
-
-    def read_chunk_async(self, path: str, index: tuple[int, ...], nbytes: int, executor: Any,
-                         into: np.ndarray | None = None) -> Future:
-        # Read by the engine's own direct I/O (read_exact: into an aligned buffer, sized by
-        # fstat first) on the reader's pool.
-        return executor.submit(self.read_exact, f"{path}/{chunk_key(index)}", nbytes, into)
+    # Chunk files are read by ChunkFiles' read_chunk(_async): the engine's own direct I/O
+    # (read_exact: into an aligned buffer, sized by fstat first) on the reader's pool.
 
     def open_pack(self, key: str) -> PackFile:
         return PackFile(self._path(key), self._concurrency)
