@@ -128,25 +128,42 @@ def test_bytes_in_flight_are_bounded(location, limit_chunks):
     limit = chunk_bytes * limit_chunks if limit_chunks else 1 << 40
 
     lock = threading.Lock()
-    in_flight = {"bytes": 0, "peak": 0, "late": 0, "late_peak": 0, "late_handed": 0}
+    in_flight = {"bytes": 0, "peak": 0, "late": 0, "late_peak": 0, "late_handed": 0, "handed": 0}
     copied = threading.Event()  # save_async returned: every host copy exists
+    all_handed = threading.Event()  # all 8 chunk writes handed to storage
 
     class CountedFuture:
-        """In flight from write_chunk() until the save asks for its result. No write completes
-        before the caller's copies are done (as on a disk slower than the copies; memory://
-        would otherwise finish a write before the next copy, depending on the machine's load)."""
+        """In flight from write_chunk() until the save asks for its result (its done() included:
+        the writer looks at finished writes for failures). No write completes before the caller's
+        copies are done (as on a disk slower than the copies; memory:// would otherwise finish a
+        write before the next copy, depending on the machine's load). Unbounded, a write handed
+        over once the copies exist does not complete before every chunk has been handed over: a
+        writer that waited for one first would be holding chunks back."""
 
         def __init__(self, future, nbytes):
-            self.future, self.nbytes, self.counted, self.late = future, nbytes, True, copied.is_set()
+            self.future, self.nbytes, self.counted = future, nbytes, True
+            with lock:
+                self.late = copied.is_set()
+                in_flight["handed"] += 1
+                in_flight["bytes"] += nbytes
+                in_flight["peak"] = max(in_flight["peak"], in_flight["bytes"])
+                if self.late:
+                    in_flight["late"] += nbytes
+                    in_flight["late_handed"] += nbytes
+                    in_flight["late_peak"] = max(in_flight["late_peak"], in_flight["late"])
+                if in_flight["handed"] == 8:
+                    all_handed.set()
+            self.gate = all_handed if self.late and not limit_chunks else copied
 
         def done(self):
-            return copied.is_set() and self.future.done()
+            return self.gate.is_set() and self.future.done()
 
         def cancel(self):
             return False
 
         def result(self, timeout=None):
             assert copied.wait(60), "the caller's copies never finished"
+            assert self.gate.wait(60), f"a write was waited for before every chunk was handed over: {in_flight}"
             out = self.future.result()
             with lock:
                 if self.counted:
@@ -155,17 +172,7 @@ def test_bytes_in_flight_are_bounded(location, limit_chunks):
                     self.counted = False
             return out
 
-    def count(handle, box, data):
-        with lock:
-            in_flight["bytes"] += data.nbytes
-            in_flight["peak"] = max(in_flight["peak"], in_flight["bytes"])
-            if copied.is_set():  # handed over once the caller's copies exist
-                in_flight["late"] += data.nbytes
-                in_flight["late_handed"] += data.nbytes
-                in_flight["late_peak"] = max(in_flight["late_peak"], in_flight["late"])
-
     faults = Faults()
-    faults.before("write_chunk", count)
     faults.after("write_chunk", lambda future, handle, box, data: CountedFuture(future, data.nbytes))
     # (shard by shard: 8 chunk files, not one packed chunk)
     handle = ckpt.save_async(location("ck"), {"a": array},
@@ -178,9 +185,9 @@ def test_bytes_in_flight_are_bounded(location, limit_chunks):
         # At most the limit, plus the chunk just handed over.
         assert in_flight["peak"] <= limit + chunk_bytes
     else:
-        # Unbounded: once the host copies exist, every remaining chunk goes out at once (while
-        # the caller is still copying, the writer sends few at a time, and how many remain then
-        # depends on the machine's load: on a loaded one, most).
+        # Unbounded: once the host copies exist, every remaining chunk goes out before any of them
+        # is waited for (while the caller is still copying, the writer sends few at a time, and
+        # how many remain then depends on the machine's load: on a loaded one, most).
         assert in_flight["late_peak"] == in_flight["late_handed"], in_flight
         assert in_flight["late_handed"] or in_flight["peak"] == 8 * chunk_bytes, in_flight  # (none late: all at once)
     assert np.array_equal(ckpt.restore(location("ck"))["a"], host)
