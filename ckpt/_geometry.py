@@ -250,3 +250,86 @@ def common_grid(shape: tuple[int, ...], boxes: list[Box]) -> tuple[int, ...]:
             g = math.gcd(math.gcd(g, b[d][0]), b[d][1])
         out.append(max(1, g))
     return tuple(out)
+
+
+# ---- a reshape as regions: a box of the new shape as boxes of the old one ----------------------
+
+def reshape_groups(old: Sequence[int], new: Sequence[int]) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The runs of axes a reshape maps onto each other: [((old lo, old hi), (new lo, new hi))],
+    each pair of runs of one size (a reshape splits and merges adjacent axes, C order). The
+    shapes hold no zero and have one size."""
+    groups, i, j = [], 0, 0
+    while i < len(old) or j < len(new):
+        i0, j0, a, b = i, j, 1, 1
+        if i < len(old):
+            a, i = old[i], i + 1
+        if j < len(new):
+            b, j = new[j], j + 1
+        while a != b:
+            if a < b:
+                a, i = a * old[i], i + 1
+            else:
+                b, j = b * new[j], j + 1
+        while i < len(old) and old[i] == 1 and (j == len(new) or new[j] != 1):  # (a trailing 1 joins)
+            i += 1
+        groups.append(((i0, i), (j0, j)))
+    return groups
+
+
+def _flat_runs(box: Box, shape: Sequence[int]) -> list[tuple[int, int]]:
+    """The C-order flat ranges of `box` within `shape`, in order, adjacent ones joined."""
+    d = len(box)
+    while d > 0 and box[d - 1] == (0, shape[d - 1]):
+        d -= 1  # box[d:] is whole: each run spans it
+    inner = math.prod(shape[d:])
+    if d == 0:
+        return [(0, inner)]
+    lo, hi = box[d - 1]
+    runs: list[tuple[int, int]] = []
+    for outer in itertools.product(*(range(a, b) for a, b in box[:d - 1])):
+        base = 0
+        for k, n in zip(outer, shape[:d - 1]):
+            base = base * n + k
+        start, stop = (base * shape[d - 1] + lo) * inner, (base * shape[d - 1] + hi) * inner
+        if runs and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], stop)
+        else:
+            runs.append((start, stop))
+    return runs
+
+
+def _run_boxes(start: int, stop: int, shape: Sequence[int]) -> list[Box]:
+    """The boxes of `shape` the flat range [start, stop) is made of, in C order (each one's own
+    C order is increasing flat order)."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [()]
+    inner = math.prod(shape[1:])
+    a, r = divmod(start, inner)
+    b, s = divmod(stop, inner)
+    if a == b:
+        return [((a, a + 1),) + x for x in _run_boxes(r, s, shape[1:])]
+    out: list[Box] = []
+    if r:
+        out += [((a, a + 1),) + x for x in _run_boxes(r, inner, shape[1:])]
+        a += 1
+    if b > a:
+        out.append(((a, b),) + full_box(shape[1:]))
+    if s:
+        out += [((b, b + 1),) + x for x in _run_boxes(0, s, shape[1:])]
+    return out
+
+
+def reshape_pieces(box: Box, old: Sequence[int], new: Sequence[int]) -> list[list[Box]]:
+    """A box of shape `new` as boxes of shape `old`, group by group (``reshape_groups``): for each
+    group, the boxes over its old axes whose values, flattened in turn, are the values of the
+    box's new axes of that group, flattened. The box's values are then the product of the
+    groups' pieces (one old box per choice of a piece in each group), placed group by group."""
+    out = []
+    for (i0, i1), (j0, j1) in reshape_groups(old, new):
+        pieces = []
+        for start, stop in _flat_runs(box[j0:j1], new[j0:j1]):
+            pieces += _run_boxes(start, stop, old[i0:i1])
+        out.append(pieces)
+    return out

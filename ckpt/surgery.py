@@ -11,6 +11,8 @@ axis=1) for i in range(n)])`` is a scanned, fused q/k/v kernel made of PyTorch-l
 - ``concat(sources, axis=0)``: leaves side by side (a fused q/k/v kernel).
 - ``split(source, sections, part, axis=0)``: one piece of a leaf cut into equal ``sections`` (an
   int) or pieces of the given sizes (a list).
+- ``reshape(source, shape)``: axes split or merged, in C order (a ``(hidden, heads * head_dim)``
+  kernel as ``(hidden, heads, head_dim)``, as MaxText keeps attention weights).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from ckpt._restore import Part
 
-__all__ = ["concat", "split", "stack", "transpose", "unstack"]
+__all__ = ["concat", "reshape", "split", "stack", "transpose", "unstack"]
 
 
 def _source(s: Any, what: str) -> Any:
@@ -124,3 +126,23 @@ def split(source: Any, sections: int | Sequence[int], part: int, axis: int = 0) 
     """
     sections = int(sections) if isinstance(sections, int) else tuple(int(n) for n in sections)
     return Part("slice", (_source(source, "split"),), axis, (sections, int(part)))
+
+
+def reshape(source: Any, shape: Sequence[int]) -> Part:
+    """A saved leaf with its axes split or merged (C order, as ``numpy.reshape``; one entry may be
+    -1): a ``(hidden, heads * head_dim)`` kernel as ``(hidden, heads, head_dim)``. A process reads
+    the saved bytes of its shards' regions only (a region whole along the split or merged axes
+    but the first is one read; one cutting across them, several).
+
+    Args:
+        source: a saved name or a part.
+        shape: the new shape, of the same size.
+
+    Returns:
+        A part, for a value of ``restore(rename={target name: part})``.
+
+    Raises:
+        TypeError: `source` is neither a name nor a part (a shape of another size is a
+            ``CheckpointError`` of the restore, naming the leaf).
+    """
+    return Part("reshape", (_source(source, "reshape"),), 0, tuple(int(n) for n in shape))

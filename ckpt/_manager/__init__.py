@@ -586,7 +586,7 @@ class CheckpointManager:
     def restore(self, step: int | None = None, target: Any = None, *, mesh: jax.sharding.Mesh | None = None,
                 partial: bool = False, verify: bool = True, options: Options | None = None,
                 item: str | int | None = None, allow_lossy_cast: bool = False,
-                axis_names: dict[str, str] | None = None) -> Any:
+                axis_names: dict[str, str] | None = None, rename: Any = None) -> Any:
         """``ckpt.restore`` of a step (or of one item of it); retention leaves the step alone
         while it is read.
 
@@ -606,13 +606,18 @@ class CheckpointManager:
                 change beyond rounding.
             axis_names: as for ``ckpt.restore``: with `mesh`, ``{saved axis name: mesh axis
                 name}`` (e.g. ``{"data": "batch"}``) for a mesh whose axes are named otherwise.
+            rename: as for ``ckpt.restore``: a target in other names, or made of parts of saved
+                leaves (``ckpt.surgery``), over the whole step (saved names begin with the
+                item's key); not with `item`.
 
         Returns:
-            The restored tree (or item), as ``ckpt.restore`` returns it.
+            The restored tree (or item), as ``ckpt.restore`` returns it (with
+            ``partial="matching"``: ``(tree, missing)``).
 
         Raises:
             TypeError: `step` is not an integer (a pytree there: pass it as ``target=``), or
                 `item` is neither a string nor an integer.
+            ValueError: both `rename` and `item`.
             FileNotFoundError: no committed checkpoint in the directory, or `step` is not a
                 committed step (the message lists the committed ones).
             KeyError: the step has no item `item` (the message lists its items).
@@ -620,6 +625,9 @@ class CheckpointManager:
             TreeMismatchError: as for ``ckpt.restore``.
         """
         check_restore_step(step)
+        if rename is not None and item is not None:
+            raise ValueError("rename= applies to a whole step (the saved names begin with the item's key, "
+                             f"e.g. '{item}.layers.0.kernel'); pass item=None")
         opts = self.options if options is None else options
         with self._pinned_step(step) as (location, entry):
             if options is not None:  # opened again with these options (their engine included)
@@ -629,7 +637,7 @@ class CheckpointManager:
                                     verify=verify, options=opts, allow_lossy_cast=allow_lossy_cast,
                                     axis_names=axis_names)
             return _restore(location, target, mesh=mesh, partial=partial, verify=verify, options=opts,
-                            allow_lossy_cast=allow_lossy_cast, axis_names=axis_names)
+                            allow_lossy_cast=allow_lossy_cast, axis_names=axis_names, rename=rename)
 
     def metadata(self, step: int | None = None) -> dict:
         """The metadata dict saved with a step.

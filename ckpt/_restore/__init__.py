@@ -33,7 +33,8 @@ from ckpt._restore.plan import (  # noqa: E402,F401
     wants_for_mesh,
 )
 from ckpt._restore.read import Reader, RestoreStats, rec_itemsize
-from ckpt._restore.surgery_source import Part, ViewIO  # noqa: F401 (Part: ckpt.surgery's)
+from ckpt._restore.surgery_source import Part  # noqa: F401 (ckpt.surgery's)
+from ckpt._restore.view_source import ViewIO
 from ckpt._restore.shared_source import SharedRestore, plan_shared, share_mode
 from ckpt._restore.plan import Asked, restore_tree
 from ckpt._restore.safetensors_source import CODES, INDEX_NAME, META_KEY, SINGLE_NAME  # noqa: E402,F401

@@ -41,7 +41,7 @@ from ckpt._restore.plan import (
     logical_shape,
 )
 from ckpt._restore.plan import Asked, restore_tree
-from ckpt._restore.surgery_source import ViewIO
+from ckpt._restore.view_source import ViewIO
 from ckpt.storage import location_text, open_storage
 
 _METADATA_KEYS = (".zarray", ".zattrs", ".zgroup", "zarr.json")

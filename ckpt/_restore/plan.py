@@ -25,7 +25,8 @@ from ckpt._format import ARRAY_KINDS, PRNG_KEY, LeafRecord, display_path, leaf_c
 from ckpt._format import dtype_from_name
 from ckpt._geometry import (Box, ShardingInfo, box_size, chunk_box, chunks_overlapping, count_overlapping,
                             mesh_fit_problem, normalize_spec, spec_axes)
-from ckpt._restore.surgery_source import ViewIO, build_view, check_rename, pair_leaves
+from ckpt._restore.surgery_source import check_rename, pair_leaves
+from ckpt._restore.view_source import ViewIO, build_view
 
 # restore(partial=MATCHING): fill the leaves the checkpoint has; return the others' key paths.
 MATCHING = "matching"

@@ -461,7 +461,7 @@ def restore_with_stats(location: Any, target: Any = None, *, mesh: jax.sharding.
     RangeReader's byte count."""
     from ckpt._restore.read import Reader, RestoreStats
     from ckpt._restore.plan import Asked, restore_tree
-    from ckpt._restore.surgery_source import ViewIO
+    from ckpt._restore.view_source import ViewIO
 
     asked = Asked(target, mesh, partial, False, allow_lossy_cast, axis_names, rename)
     opts = resolve(options)
