@@ -6,6 +6,7 @@ installed (pip install -e .)::
     python -m bench --leaves 400,4000           # many small leaves, beside Orbax when installed
     python -m bench --url s3://bucket/prefix    # object stores (--seaweedfs: a local one)
     python -m bench --memory                    # peak host memory, each measurement in a fresh process
+    python -m bench --compression               # lossless codecs on a trained state, per leaf kind
     python -m bench.quick                       # the quick regression check against bench/baseline.json
     python -m bench.bench_replicas --seaweedfs  # replicated state restored on 2/4/8 processes, beside Orbax
 

@@ -604,6 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--leaves", metavar="N[,N...]", help="instead: the many-small-leaves benchmark for trees of N "
                    "leaves (docs/benchmarks.md, \"Many small leaves\"), beside Orbax when it is installed")
     p.add_argument("--no-orbax", action="store_true", help="with --leaves: ckpt only")
+    p.add_argument("--compression", action="store_true", help="instead: lossless codecs on a trained state, per "
+                   "leaf kind: ratio, encode/decode GB/s on one core (docs/benchmarks.md, \"Compression\")")
+    p.add_argument("--steps", type=int, default=300, help="with --compression: training steps (default 300)")
     from bench import bench_memory
 
     p.add_argument("--memory", action="store_true", help="instead: peak host RSS and throughput of save and restore "
@@ -613,6 +616,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.memory:
         return bench_memory.main(parsed=args)
+    if args.compression:
+        from bench import compression
+
+        return compression.main(args)
     if args.leaves:
         return _main_leaves(args)
     if args.url:
