@@ -171,6 +171,38 @@ def measure(arrays: list[np.ndarray], min_s: float = MIN_TIMED_S) -> dict[str, d
     return out
 
 
+# The chosen codec's settings swept on two leaf kinds: chunk sizes (below which a chunk is better
+# stored raw) and lz4's level.
+SWEEP_CHUNKS = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
+SWEEP_LEVELS = (1, 5, 9)
+
+
+def sweep(arrays: list[np.ndarray], min_s: float = MIN_TIMED_S) -> dict[str, dict[str, float]]:
+    """``blosc lz4 bitshuffle`` at each chunk size (level 5) and each level (4 MiB chunks)."""
+    global CHUNK_BYTES
+    import numcodecs
+    from numcodecs import blosc
+
+    blosc.set_nthreads(1)
+    out = {}
+    saved = CHUNK_BYTES
+    try:
+        for size, level in [(c, 5) for c in SWEEP_CHUNKS] + [(saved, lv) for lv in SWEEP_LEVELS if lv != 5]:
+            CHUNK_BYTES = size
+            chunks = _chunks(arrays)
+            codec = numcodecs.Blosc(cname="lz4", clevel=level, shuffle=numcodecs.Blosc.BITSHUFFLE)
+            encoded = [codec.encode(c) for c in chunks]
+            raw = sum(c.nbytes for c in chunks)
+            enc = _timed(lambda: [codec.encode(c) for c in chunks], min_s)
+            dec = _timed(lambda: [codec.decode(e) for e in encoded], min_s)
+            out[f"chunks {size >> 10} KiB, level {level}"] = {
+                "ratio": raw / sum(len(e) for e in encoded), "encode_gb_s": raw / enc / 1e9,
+                "decode_gb_s": raw / dec / 1e9}
+    finally:
+        CHUNK_BYTES = saved
+    return out
+
+
 def run(steps: int, min_s: float = MIN_TIMED_S, **model: int) -> dict:
     """The figures of a state trained `steps` steps and of a random init (`model`: train's sizes)."""
     start = time.perf_counter()
@@ -185,6 +217,8 @@ def run(steps: int, min_s: float = MIN_TIMED_S, **model: int) -> dict:
                 continue  # (zero moments before the first step)
             result["kinds"][f"{kind}, {state}"] = {"mib": sum(a.nbytes for a in arrays) / 2**20,
                                                    "codecs": measure(arrays, min_s)}
+    trained = leaf_kinds(params, moments)
+    result["sweep"] = {kind: sweep(trained[kind], min_s) for kind in ("params bf16", "adam nu fp32")}
     return result
 
 
@@ -196,6 +230,11 @@ def print_table(result: dict) -> None:
         for name, f in entry["codecs"].items():
             print(f"{kind:<28} {name:<24} {f['ratio']:6.3f} {f['encode_gb_s']:9.3f} {f['decode_gb_s']:9.3f} "
                   f"{f['pays_below_mb_s']:16.0f}")
+    print("\nblosc lz4 bit shuffle by chunk size and level (trained state)")
+    print(f"{'leaf kind':<28} {'setting':<24} {'ratio':>6} {'enc GB/s':>9} {'dec GB/s':>9}")
+    for kind, entry in result["sweep"].items():
+        for name, f in entry.items():
+            print(f"{kind:<28} {name:<24} {f['ratio']:6.3f} {f['encode_gb_s']:9.3f} {f['decode_gb_s']:9.3f}")
 
 
 def main(args) -> int:

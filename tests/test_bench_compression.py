@@ -18,5 +18,7 @@ def test_every_kind_and_codec_is_measured():
         for f in entry["codecs"].values():
             assert all(math.isfinite(v) and v > 0 for k, v in f.items() if k != "pays_below_mb_s"), (kind, f)
     # bfloat16 weights near N(0, 0.02) have a narrow exponent: every shuffled codec stores fewer bytes
+    assert set(result["sweep"]) == {"params bf16", "adam nu fp32"}
+    assert all(len(e) == 6 and all(f["ratio"] > 0 for f in e.values()) for e in result["sweep"].values())
     bf16 = result["kinds"]["params bf16, trained"]["codecs"]
     assert bf16["blosc-zstd1-bitshuffle"]["ratio"] > 1.1 and bf16["zstd-1"]["ratio"] > 1.1
