@@ -124,11 +124,11 @@ def leaf_kinds(params: dict, moments: dict) -> dict[str, list[np.ndarray]]:
             "adam nu fp32": [a.astype(np.float32) for a in big(moments["nu"])]}
 
 
-def _chunks(arrays: list[np.ndarray]) -> list[np.ndarray]:
+def _chunks(arrays: list[np.ndarray], chunk_bytes: int = CHUNK_BYTES) -> list[np.ndarray]:
     out = []
     for a in arrays:
         flat = np.ascontiguousarray(a).reshape(-1)
-        step = max(1, CHUNK_BYTES // a.itemsize)
+        step = max(1, chunk_bytes // a.itemsize)
         # (as unsigned integers of the same width: numcodecs takes no bfloat16 buffer, and Blosc's
         # shuffle takes its element size from the buffer's)
         out += [flat[i:i + step].view(f"u{a.itemsize}") for i in range(0, flat.size, step)]
@@ -146,6 +146,19 @@ def _timed(fn, min_s: float) -> float:
     return best
 
 
+def _figures(codec, chunks: list[np.ndarray], min_s: float) -> dict[str, float]:
+    """Ratio, encode and decode GB/s of `codec` over `chunks`, every decode checked."""
+    encoded = [codec.encode(c) for c in chunks]
+    for c, e in zip(chunks, encoded):
+        if np.frombuffer(codec.decode(e), c.dtype).tobytes() != c.tobytes():
+            raise AssertionError(f"{codec}: a decoded chunk differs from its input")
+    raw = sum(c.nbytes for c in chunks)
+    enc = _timed(lambda: [codec.encode(c) for c in chunks], min_s)
+    dec = _timed(lambda: [codec.decode(e) for e in encoded], min_s)
+    return {"ratio": raw / sum(len(e) for e in encoded), "encode_gb_s": raw / enc / 1e9,
+            "decode_gb_s": raw / dec / 1e9}
+
+
 def measure(arrays: list[np.ndarray], min_s: float = MIN_TIMED_S) -> dict[str, dict[str, float]]:
     """Codec name -> ratio, encode and decode GB/s on one core, and the link it pays below (MB/s)."""
     import numcodecs
@@ -153,21 +166,11 @@ def measure(arrays: list[np.ndarray], min_s: float = MIN_TIMED_S) -> dict[str, d
 
     blosc.set_nthreads(1)
     chunks = _chunks(arrays)
-    raw = sum(c.nbytes for c in chunks)
     out = {}
     for name, make in CODECS.items():
-        codec = make(numcodecs)
-        encoded = [codec.encode(c) for c in chunks]
-        for c, e in zip(chunks, encoded):
-            back = np.frombuffer(codec.decode(e), c.dtype)
-            if back.tobytes() != c.tobytes():
-                raise AssertionError(f"{name}: a decoded chunk differs from its input")
-        stored = sum(len(e) for e in encoded)
-        enc = _timed(lambda: [codec.encode(c) for c in chunks], min_s)
-        dec = _timed(lambda: [codec.decode(e) for e in encoded], min_s)
-        ratio = raw / stored
-        out[name] = {"ratio": ratio, "encode_gb_s": raw / enc / 1e9, "decode_gb_s": raw / dec / 1e9,
-                     "pays_below_mb_s": raw / enc * (1 - 1 / ratio) / 1e6}
+        f = _figures(make(numcodecs), chunks, min_s)
+        f["pays_below_mb_s"] = f["encode_gb_s"] * 1e3 * (1 - 1 / f["ratio"])
+        out[name] = f
     return out
 
 
@@ -179,27 +182,14 @@ SWEEP_LEVELS = (1, 5, 9)
 
 def sweep(arrays: list[np.ndarray], min_s: float = MIN_TIMED_S) -> dict[str, dict[str, float]]:
     """``blosc lz4 bitshuffle`` at each chunk size (level 5) and each level (4 MiB chunks)."""
-    global CHUNK_BYTES
     import numcodecs
     from numcodecs import blosc
 
     blosc.set_nthreads(1)
     out = {}
-    saved = CHUNK_BYTES
-    try:
-        for size, level in [(c, 5) for c in SWEEP_CHUNKS] + [(saved, lv) for lv in SWEEP_LEVELS if lv != 5]:
-            CHUNK_BYTES = size
-            chunks = _chunks(arrays)
-            codec = numcodecs.Blosc(cname="lz4", clevel=level, shuffle=numcodecs.Blosc.BITSHUFFLE)
-            encoded = [codec.encode(c) for c in chunks]
-            raw = sum(c.nbytes for c in chunks)
-            enc = _timed(lambda: [codec.encode(c) for c in chunks], min_s)
-            dec = _timed(lambda: [codec.decode(e) for e in encoded], min_s)
-            out[f"chunks {size >> 10} KiB, level {level}"] = {
-                "ratio": raw / sum(len(e) for e in encoded), "encode_gb_s": raw / enc / 1e9,
-                "decode_gb_s": raw / dec / 1e9}
-    finally:
-        CHUNK_BYTES = saved
+    for size, level in [(c, 5) for c in SWEEP_CHUNKS] + [(CHUNK_BYTES, lv) for lv in SWEEP_LEVELS if lv != 5]:
+        codec = numcodecs.Blosc(cname="lz4", clevel=level, shuffle=numcodecs.Blosc.BITSHUFFLE)
+        out[f"chunks {size >> 10} KiB, level {level}"] = _figures(codec, _chunks(arrays, size), min_s)
     return out
 
 
