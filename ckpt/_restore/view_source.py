@@ -17,6 +17,7 @@ thus reads only what its shards need.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -44,6 +45,11 @@ Regions = Callable[[dict[int, list[Box]]], dict[tuple[int, Box], np.ndarray]]
 
 
 # ---- the bound view: shapes, and each region as regions of saved leaves -------------------
+
+# A view chunk's reshape pieces are asked for three times (what it needs, its parts, their
+# placing): worked out once.
+_pieces = functools.lru_cache(maxsize=1024)(reshape_pieces)
+
 
 @dataclass(frozen=True)
 class Node:
@@ -79,7 +85,7 @@ class Node:
         """The children and their boxes that `box` of this node is made of, in order."""
         a = self.axis
         if self.op == "reshape":  # one saved box per choice of a piece in each group
-            groups = reshape_pieces(box, self.children[0].shape, self.shape)
+            groups = _pieces(box, self.children[0].shape, self.shape)
             return [(self.children[0], sum(combo, ())) for combo in itertools.product(*groups)]
         if self.op == "transpose":
             inverse = [0] * len(self.arg)
@@ -107,7 +113,7 @@ class Node:
     def _placed(self, box: Box, parts: list[np.ndarray]) -> np.ndarray:
         """A reshape's box from its saved boxes (``reshape_pieces``): each group's pieces, flattened
         in turn, are that group's axes of the box, flattened."""
-        groups = reshape_pieces(box, self.children[0].shape, self.shape)
+        groups = _pieces(box, self.children[0].shape, self.shape)
         sizes = [[box_size(p) for p in g] for g in groups]
         starts = [np.cumsum([0] + s).tolist() for s in sizes]
         out = np.empty(tuple(sum(s) for s in sizes), self.dtype)
